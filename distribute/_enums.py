@@ -1,0 +1,67 @@
+"""Enumerations shared by the whole library: reduction ops and variable policies."""
+
+from __future__ import annotations
+
+import enum
+
+from distribute.errors import InvalidArgumentError
+
+__all__ = ["ReduceOp", "VariableAggregation", "VariableSynchronization"]
+
+
+class ReduceOp(enum.Enum):
+    """How values from several replicas are combined.
+
+    Strings are accepted wherever a `ReduceOp` is, case-insensitively.
+
+    Example:
+        >>> import distribute as ds
+        >>> ds.ReduceOp.from_value("mean") is ds.ReduceOp.MEAN
+        True
+    """
+
+    SUM = "SUM"
+    MEAN = "MEAN"
+
+    @classmethod
+    def from_value(cls, value: ReduceOp | str) -> ReduceOp:
+        """Returns the `ReduceOp` for `value` (a `ReduceOp` or a string)."""
+        if isinstance(value, ReduceOp):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls[value.upper()]
+            except KeyError:
+                pass
+        raise InvalidArgumentError(
+            f"reduce_op must be one of {[m.value for m in cls]} (any case), got {value!r}"
+        )
+
+
+class VariableSynchronization(enum.Enum):
+    """When a distributed variable's copies are synchronized.
+
+    `AUTO` and `ON_WRITE` give a `MirroredVariable` (copies kept identical on every
+    write); `ON_READ` gives a `SyncOnReadVariable` (copies aggregated when read in
+    cross-replica context); `NONE` is not supported under a strategy.
+    """
+
+    AUTO = 0
+    NONE = 1
+    ON_WRITE = 2
+    ON_READ = 3
+
+
+class VariableAggregation(enum.Enum):
+    """How replica-context writes (or cross-replica reads) of a variable combine.
+
+    Example:
+        >>> import distribute as ds
+        >>> ds.VariableAggregation.MEAN.name
+        'MEAN'
+    """
+
+    NONE = 0
+    SUM = 1
+    MEAN = 2
+    ONLY_FIRST_REPLICA = 3

@@ -1,0 +1,1 @@
+"""Collectives: in-process CrossDeviceOps, cross-process process groups, packing."""

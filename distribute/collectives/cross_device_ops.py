@@ -1,0 +1,220 @@
+"""In-process reductions across local replica devices (`CrossDeviceOps`).
+
+`ReductionToOneDevice` sums on one device and copies the result to every
+destination. `HierarchicalCopyAllReduce` and `NcclAllReduce` all-reduce packs of
+tensors across distinct GPUs (`torch.cuda.comm` / `torch.cuda.nccl`); as in
+tf.distribute, any other placement (CPU replicas, several replicas on one GPU)
+falls back to `ReductionToOneDevice`, which gives the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from distribute._enums import ReduceOp
+from distribute.collectives.packing import split_num_packs
+from distribute.errors import InvalidArgumentError
+from distribute.values import DistributedValues, Mirrored
+
+__all__ = ["CrossDeviceOps", "HierarchicalCopyAllReduce", "NcclAllReduce", "ReductionToOneDevice"]
+
+
+def _components(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, DistributedValues):
+        return [torch.as_tensor(v) for v in value.values]
+    from distribute.variables import DistributedVariable
+
+    if isinstance(value, DistributedVariable):
+        return list(value.values)
+    return [torch.as_tensor(value)]
+
+
+def _destination_devices(destinations: Any, fallback: Sequence[torch.Tensor]) -> list[torch.device]:
+    if destinations is None:
+        return [t.device for t in fallback]
+    if isinstance(destinations, (str, torch.device)):
+        return [torch.device(destinations)]
+    if isinstance(destinations, torch.Tensor) and not isinstance(destinations, DistributedValues):
+        from distribute.variables import DistributedVariable
+
+        if isinstance(destinations, DistributedVariable):
+            return [v.device for v in destinations.values]
+        return [destinations.device]
+    if isinstance(destinations, DistributedValues):
+        return [torch.as_tensor(v).device for v in destinations.values]
+    if isinstance(destinations, (list, tuple)):
+        return [torch.device(d) for d in destinations]
+    raise InvalidArgumentError(
+        f"destinations must be a device, a device list, a tensor, a variable or a "
+        f"DistributedValues, got {type(destinations).__name__}"
+    )
+
+
+class CrossDeviceOps:
+    """Base class of in-process reductions across local replica devices.
+
+    Example:
+        >>> import distribute as ds, torch
+        >>> ops = ds.ReductionToOneDevice()
+        >>> r = ops.reduce("sum", ds.PerReplica((torch.tensor(1.), torch.tensor(2.))), "cpu")
+        >>> r.values
+        (tensor(3.),)
+    """
+
+    def reduce(self, reduce_op: ReduceOp | str, per_replica_value: Any, destinations: Any) -> Mirrored:
+        """Reduces `per_replica_value` and places the result on `destinations`."""
+        return self.batch_reduce(reduce_op, [(per_replica_value, destinations)])[0]
+
+    def batch_reduce(
+        self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]]
+    ) -> list[Mirrored]:
+        """Reduces several (value, destinations) pairs."""
+        op = ReduceOp.from_value(reduce_op)
+        return [self._reduce_one(op, v, d) for v, d in value_destination_pairs]
+
+    def broadcast(self, tensor: Any, destinations: Any) -> Mirrored:
+        """Copies `tensor` to every destination device."""
+        t = torch.as_tensor(tensor)
+        devices = _destination_devices(destinations, [t])
+        return Mirrored([t.to(d, copy=True) for d in devices])
+
+    def _reduce_one(self, op: ReduceOp, value: Any, destinations: Any) -> Mirrored:
+        return _reduce_to_one_device(op, value, destinations, None)
+
+
+def _reduce_to_one_device(
+    op: ReduceOp, value: Any, destinations: Any, reduce_to_device: torch.device | None
+) -> Mirrored:
+    components = _components(value)
+    devices = _destination_devices(destinations, components)
+    target = reduce_to_device or devices[0]
+    total = components[0].detach().to(target, copy=True)
+    for c in components[1:]:
+        total += c.detach().to(target)
+    if op is ReduceOp.MEAN:
+        total = total / len(components) if total.is_floating_point() else total.double() / len(components)
+    return Mirrored([total.to(d, copy=True) for d in devices])
+
+
+class ReductionToOneDevice(CrossDeviceOps):
+    """Sums on one device (the first destination by default), then copies out.
+
+    Args:
+        reduce_to_device: where the sum is computed.
+    """
+
+    def __init__(self, reduce_to_device: str | torch.device | None = None) -> None:
+        self._device = torch.device(reduce_to_device) if reduce_to_device is not None else None
+
+    def _reduce_one(self, op: ReduceOp, value: Any, destinations: Any) -> Mirrored:
+        return _reduce_to_one_device(op, value, destinations, self._device)
+
+
+def packed_all_reduce(
+    op: ReduceOp, per_replica: Sequence[Sequence[torch.Tensor]], num_packs: int
+) -> list[list[torch.Tensor]]:
+    """All-reduces lists of tensors (one list per replica) in `num_packs` chunks.
+
+    TF's rule: every replica's tensors are concatenated into one flat buffer, split
+    into `num_packs` chunks (the last takes the remainder), and each chunk is
+    reduced; `num_packs == 0` reduces tensor by tensor.
+
+    Returns:
+        One list of reduced tensors per replica, on that replica's devices.
+    """
+    if num_packs < 0:
+        raise InvalidArgumentError(f"num_packs must be >= 0, got {num_packs}")
+    n = len(per_replica)
+    devices = [p[0].device for p in per_replica]
+    if num_packs == 0:
+        outs = []
+        for j in range(len(per_replica[0])):
+            reduced = _reduce_to_one_device(op, Mirrored([p[j] for p in per_replica]), devices, None)
+            outs.append(reduced.values)
+        return [[outs[j][r] for j in range(len(outs))] for r in range(n)]
+    flats = [torch.cat([t.detach().reshape(-1) for t in p]) for p in per_replica]
+    chunk_sizes = split_num_packs(flats[0].numel(), num_packs)
+    reduced_chunks: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    for chunks in zip(*(f.split(chunk_sizes) for f in flats)):
+        if all(c.is_cuda for c in chunks) and len({c.device for c in chunks}) == n:
+            outputs = [c.clone() for c in chunks]
+            torch.cuda.nccl.all_reduce(outputs)
+            if op is ReduceOp.MEAN:
+                outputs = [o / n for o in outputs]
+        else:
+            outputs = list(_reduce_to_one_device(op, Mirrored(chunks), [c.device for c in chunks], None).values)
+        for r in range(n):
+            reduced_chunks[r].append(outputs[r])
+    results = []
+    for r in range(n):
+        flat = torch.cat(reduced_chunks[r])
+        out, offset = [], 0
+        for t in per_replica[r]:
+            out.append(flat[offset : offset + t.numel()].view(t.shape).to(devices[r]))
+            offset += t.numel()
+        results.append(out)
+    return results
+
+
+class _AllReduceOps(CrossDeviceOps):
+    def __init__(self, num_packs: int = 1) -> None:
+        if num_packs < 0:
+            raise InvalidArgumentError(
+                f"num_packs must be >= 0, got {num_packs} (0 reduces tensor by tensor)"
+            )
+        self._num_packs = num_packs
+
+    @property
+    def num_packs(self) -> int:
+        """The number of chunks the concatenated tensors are split into."""
+        return self._num_packs
+
+    def batch_reduce(
+        self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]]
+    ) -> list[Mirrored]:
+        op = ReduceOp.from_value(reduce_op)
+        if not value_destination_pairs:
+            return []
+        per_value = [_components(v) for v, _ in value_destination_pairs]
+        devices_ok = all(
+            len(c) > 1
+            and all(t.is_cuda for t in c)
+            and len({t.device for t in c}) == len(c)
+            and [t.device for t in c] == _destination_devices(d, c)
+            for c, (_, d) in zip(per_value, value_destination_pairs)
+        )
+        if not devices_ok:  # TF: anything but one replica per distinct GPU falls back
+            return [_reduce_to_one_device(op, v, d, None) for v, d in value_destination_pairs]
+        n = len(per_value[0])
+        per_replica = [[c[r] for c in per_value] for r in range(n)]
+        reduced = packed_all_reduce(op, per_replica, self._num_packs)
+        return [Mirrored([reduced[r][j] for r in range(n)]) for j in range(len(per_value))]
+
+
+class HierarchicalCopyAllReduce(_AllReduceOps):
+    """Packed all-reduce across distinct GPUs (TF's hierarchical copy).
+
+    Args:
+        num_packs: chunks the concatenated tensors are split into (>= 0).
+
+    Example:
+        >>> import distribute as ds
+        >>> ds.HierarchicalCopyAllReduce(num_packs=2).num_packs
+        2
+    """
+
+
+class NcclAllReduce(_AllReduceOps):
+    """Packed all-reduce across distinct GPUs with `torch.cuda.nccl`.
+
+    Args:
+        num_packs: chunks the concatenated tensors are split into (>= 0).
+
+    Example:
+        >>> import distribute as ds
+        >>> ds.NcclAllReduce().num_packs
+        1
+    """

@@ -1,0 +1,1 @@
+"""Strategy implementations, one per module."""

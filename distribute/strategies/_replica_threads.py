@@ -1,0 +1,239 @@
+"""Replica threads and the in-process rendezvous that synchronizes them.
+
+# NOTE [replica threads]
+With several local replicas, `run` executes `fn` in one persistent thread per
+replica (TF's design; PyTorch releases the GIL inside kernels). Replicas meet at a
+`Rendezvous` for every collective and merge: each deposits its value, the last to
+arrive computes the combined result once, and every replica reads it. A rendezvous
+never waits forever: when a replica fails, the others are released with
+`ReplicaAbortedError`; when a replica finishes `fn` while others wait for it, the
+waiters get a `ContextError` (different numbers of collectives or merge calls); when
+the timeout passes, the error names the replicas that never arrived.
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from distribute.errors import CollectiveTimeoutError, ContextError, ReplicaAbortedError
+
+__all__ = ["Rendezvous", "ReplicaThreads"]
+
+
+class Rendezvous:
+    """A reusable meeting point for `num_replicas` replica threads.
+
+    Args:
+        num_replicas: the number of local replicas.
+        timeout: seconds a replica waits for the others before raising.
+    """
+
+    def __init__(self, num_replicas: int, timeout: float) -> None:
+        self._n = num_replicas
+        self._timeout = timeout
+        self._cond = threading.Condition()
+        self._generation = 0
+        self._slots: list[Any] = [None] * num_replicas
+        self._arrived: list[bool] = [False] * num_replicas
+        self._names: list[str] = [""] * num_replicas
+        self._results: dict[int, tuple[bool, Any]] = {}
+        self._finished: set[int] = set()
+        self._abort: BaseException | None = None
+
+    def reset(self) -> None:
+        """Prepares for a new `run`: clears finished replicas and any abort."""
+        with self._cond:
+            self._finished.clear()
+            self._abort = None
+            self._arrived = [False] * self._n
+            self._slots = [None] * self._n
+            self._results.clear()
+
+    def abort(self, error: BaseException) -> None:
+        """Releases every waiting replica with `error` (first abort wins)."""
+        with self._cond:
+            if self._abort is None:
+                self._abort = error
+            self._cond.notify_all()
+
+    def finish(self, replica: int) -> None:
+        """Marks `replica` as done with `fn`; waiters can no longer be completed."""
+        with self._cond:
+            self._finished.add(replica)
+            if any(self._arrived):
+                waiting = [i for i, a in enumerate(self._arrived) if a]
+                op = self._names[waiting[0]]
+                self._abort = ContextError(
+                    f"replica {replica} returned from `fn` while replicas {waiting} wait in "
+                    f"{op}: every replica must make the same collective and merge_call calls "
+                    "in the same order (check for replica-dependent branches around them)"
+                )
+                self._cond.notify_all()
+
+    def exchange(
+        self, replica: int, value: Any, combine: Callable[[list[Any]], Any], name: str
+    ) -> Any:
+        """Deposits `value`; once all replicas have, `combine(values)` runs once.
+
+        Returns:
+            What `combine` returned, to every replica. An exception raised by
+            `combine` is raised in every replica.
+        """
+        with self._cond:
+            self._check_abort()
+            if self._finished:
+                raise ContextError(
+                    f"replica {replica} entered {name} but replicas {sorted(self._finished)} "
+                    "already returned from `fn`: every replica must make the same collective "
+                    "and merge_call calls in the same order"
+                )
+            generation = self._generation
+            self._slots[replica] = value
+            self._arrived[replica] = True
+            self._names[replica] = name
+            if all(self._arrived):
+                values = self._slots
+                self._slots = [None] * self._n
+                self._arrived = [False] * self._n
+                try:
+                    outcome: tuple[bool, Any] = (True, combine(values))
+                except BaseException as e:  # delivered to every replica
+                    outcome = (False, e)
+                self._results = {generation: outcome}
+                self._generation += 1
+                self._cond.notify_all()
+            else:
+                deadline = time.monotonic() + self._timeout
+                while self._generation == generation:
+                    self._check_abort()
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        missing = [i for i, a in enumerate(self._arrived) if not a]
+                        error = CollectiveTimeoutError(
+                            f"{name}: local replicas {missing} did not arrive within "
+                            f"{self._timeout:.0f}s; a replica is stuck or skipped the call "
+                            "(raise CommunicationOptions.timeout_seconds for slow steps)"
+                        )
+                        self._abort = error
+                        self._cond.notify_all()
+                        raise error
+                    self._cond.wait(remaining)
+            ok, result = self._results[generation]
+        if not ok:
+            raise result
+        return result
+
+    def _check_abort(self) -> None:
+        if self._abort is not None:
+            if isinstance(self._abort, (ContextError, CollectiveTimeoutError)):
+                raise self._abort
+            raise ReplicaAbortedError(
+                f"released because another replica failed: {self._abort!r}"
+            ) from self._abort
+
+
+class _Worker(threading.Thread):
+    def __init__(self, index: int) -> None:
+        super().__init__(name=f"distribute-replica-{index}", daemon=True)
+        self.tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+
+    def run(self) -> None:
+        while True:
+            task = self.tasks.get()
+            if task is None:
+                return
+            task()
+
+
+class ReplicaThreads:
+    """One persistent thread per local replica.
+
+    Args:
+        num_replicas: the number of local replicas (at least 2).
+    """
+
+    def __init__(self, num_replicas: int) -> None:
+        self._workers = [_Worker(i) for i in range(num_replicas)]
+        for w in self._workers:
+            w.start()
+        _LIVE.add(self)
+
+    def call(
+        self,
+        fns: Sequence[Callable[[], Any]],
+        on_error: Callable[[int, BaseException], None],
+        on_finish: Callable[[int], None],
+    ) -> list[Any]:
+        """Runs `fns[i]` in replica thread i and waits for all of them.
+
+        `on_error(i, e)` is called as soon as replica i fails, so that the others
+        can be released; `on_finish(i)` when replica i returns normally.
+
+        Returns:
+            The replicas' results, in replica order.
+
+        Raises:
+            The first failing replica's exception (not a release of another replica).
+        """
+        n = len(fns)
+        results: list[Any] = [None] * n
+        errors: list[BaseException | None] = [None] * n
+        done = threading.Semaphore(0)
+        grad_enabled = torch.is_grad_enabled()
+
+        def make_task(i: int) -> Callable[[], None]:
+            def task() -> None:
+                try:
+                    with torch.set_grad_enabled(grad_enabled):
+                        results[i] = fns[i]()
+                    on_finish(i)
+                except BaseException as e:
+                    errors[i] = e
+                    on_error(i, e)
+                finally:
+                    done.release()
+
+            return task
+
+        for i in range(n):
+            self._workers[i].tasks.put(make_task(i))
+        for _ in range(n):
+            done.acquire()
+        first = _first_cause(errors)
+        if first is not None:
+            raise first
+        return results
+
+    def shutdown(self, join: bool = False) -> None:
+        """Stops the threads (waiting for them when `join`)."""
+        for w in self._workers:
+            w.tasks.put(None)
+        if join:
+            for w in self._workers:
+                w.join(timeout=5.0)
+
+
+_LIVE: weakref.WeakSet[ReplicaThreads] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_replica_threads() -> None:
+    # Threads still parked in torch code at interpreter exit can abort the process.
+    for threads in list(_LIVE):
+        threads.shutdown(join=True)
+
+
+def _first_cause(errors: Sequence[BaseException | None]) -> BaseException | None:
+    """The root failure: a replica's own error rather than another's release."""
+    real = [e for e in errors if e is not None and not isinstance(e, ReplicaAbortedError)]
+    if real:
+        return real[0]
+    return next((e for e in errors if e is not None), None)

@@ -1,0 +1,747 @@
+"""The engine shared by every synchronous strategy: local replicas, optional workers.
+
+`ReplicatedExtended` implements `StrategyExtended` for N local replicas (threads when
+N > 1, inline when N == 1) and, optionally, several workers joined by a
+cross-process collective object. OneDevice, Mirrored, CentralStorage,
+MultiWorkerMirrored and the default strategy are configurations of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from distribute import context
+from distribute._enums import ReduceOp, VariableAggregation, VariableSynchronization
+from distribute.context import ReplicaContext
+from distribute.errors import (
+    CollectiveMismatchError,
+    ContextError,
+    InvalidArgumentError,
+)
+from distribute.strategies._replica_threads import Rendezvous, ReplicaThreads
+from distribute.strategies.base import StrategyExtended
+from distribute.values import (
+    DistributedValues,
+    Mirrored,
+    PerReplica,
+    flatten,
+    pack_sequence_as,
+    regroup,
+    select_replica,
+)
+from distribute.variables import (
+    DistributedVariable,
+    MirroredVariable,
+    SyncOnReadVariable,
+    _ReplicatedMirroredVariable,
+)
+
+if TYPE_CHECKING:
+    from distribute.collectives.cross_device_ops import CrossDeviceOps
+    from distribute.data.options import InputContext, InputOptions, ValueContext
+    from distribute.strategies.base import Strategy
+
+__all__ = ["DEFAULT_TIMEOUT_SECONDS", "CrossWorker", "ReplicatedExtended", "parse_device"]
+
+DEFAULT_TIMEOUT_SECONDS = 300.0
+
+
+class CrossWorker(Protocol):
+    """The cross-process collectives a multi-worker strategy plugs in."""
+
+    def all_reduce(
+        self, tensors: Sequence[torch.Tensor], op: ReduceOp, *, name: str, bytes_per_pack: int = 0
+    ) -> list[torch.Tensor]: ...
+
+    def all_gather(self, tensor: torch.Tensor, axis: int, *, name: str) -> torch.Tensor: ...
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0, *, name: str) -> None: ...
+
+    def all_reduce_int(self, value: int, name: str) -> int: ...
+
+
+def parse_device(device: str | torch.device) -> tuple[str, torch.device]:
+    """Returns (display name, tensor device) for a replica device.
+
+    Logical CPU devices ("cpu:0", "cpu:1", ...) are distinct replicas whose tensors
+    all live on the one CPU.
+    """
+    name = str(device)
+    parsed = torch.device(device)
+    if parsed.type == "cpu":
+        return name, torch.device("cpu")
+    return name, parsed
+
+
+class ReplicatedExtended(StrategyExtended):
+    """`StrategyExtended` for synchronous replicas, in one process or several.
+
+    Args:
+        container_strategy: the strategy object this belongs to.
+        devices: the local replica devices.
+        captures_modules: whether module parameters built in scope become variables.
+        wrap_single_values: whether `experimental_distribute_values_from_function`
+            wraps even a single replica's value in `PerReplica`.
+        central_storage: variables keep one copy that every replica aliases; only
+            replica 0 applies optimizer updates.
+        timeout_seconds: how long a replica waits for the others in a collective.
+        bytes_per_pack: pack size for gradient aggregation (0: one pack).
+        cross_device_ops: in-process reduction for `reduce_to`/`batch_reduce_to`.
+    """
+
+    def __init__(
+        self,
+        container_strategy: Strategy,
+        devices: Sequence[str | torch.device],
+        *,
+        captures_modules: bool = True,
+        wrap_single_values: bool = True,
+        central_storage: bool = False,
+        timeout_seconds: float | None = None,
+        bytes_per_pack: int = 0,
+        cross_device_ops: CrossDeviceOps | None = None,
+    ) -> None:
+        super().__init__(container_strategy)
+        if not devices:
+            raise InvalidArgumentError("a strategy needs at least one device, got none")
+        parsed = [parse_device(d) for d in devices]
+        names = [n for n, _ in parsed]
+        if len(set(names)) != len(names):
+            raise InvalidArgumentError(
+                f"devices must be distinct, got {names}; name logical CPU replicas "
+                '"cpu:0", "cpu:1", ...'
+            )
+        self._device_names = tuple(names)
+        self._devices = tuple(d for _, d in parsed)
+        self._captures_modules = captures_modules
+        self._wrap_single_values = wrap_single_values
+        self._central = central_storage
+        self._timeout = float(timeout_seconds or DEFAULT_TIMEOUT_SECONDS)
+        self._bytes_per_pack = bytes_per_pack
+        self._cross_device_ops = cross_device_ops
+        self._worker_index = 0
+        self._num_workers = 1
+        self._cross_worker: CrossWorker | None = None
+        self._variables: weakref.WeakSet[DistributedVariable] = weakref.WeakSet()
+        n = len(self._devices)
+        self._rendezvous = Rendezvous(n, self._timeout) if n > 1 else None
+        self._threads: ReplicaThreads | None = None
+        self._thread_lock = threading.Lock()
+        self._skip_grads = threading.local()
+        self.experimental_aggregate_gradients = True
+        self._no_sync_depth = 0
+        from distribute._grad_sync import GradientSynchronizer
+
+        self._grad_sync = GradientSynchronizer(self)
+        weakref.finalize(self, _shutdown_threads, self._thread_holder())
+
+    def _thread_holder(self) -> list[ReplicaThreads]:
+        self._holder: list[ReplicaThreads] = []
+        return self._holder
+
+    # -- identity -------------------------------------------------------------------
+
+    @property
+    def worker_devices(self) -> tuple[torch.device, ...]:
+        return self._devices
+
+    @property
+    def parameter_devices(self) -> tuple[torch.device, ...]:
+        return self._devices[:1] if self._central else self._devices
+
+    @property
+    def _num_local(self) -> int:
+        return len(self._devices)
+
+    def _num_replicas_in_sync(self) -> int:
+        return self._num_workers * len(self._devices)
+
+    def _global_id(self, local: int) -> int:
+        return self._worker_index * len(self._devices) + local
+
+    def _set_workers(self, worker_index: int, num_workers: int, cross_worker: CrossWorker | None) -> None:
+        self._worker_index = worker_index
+        self._num_workers = num_workers
+        self._cross_worker = cross_worker
+
+    # -- run --------------------------------------------------------------------------
+
+    def call_for_each_replica(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        top = context._top()
+        if top is not None and top.replica_context is not None:
+            raise ContextError(
+                f"`run` was called inside `run` of {top.strategy!r}; call `run` once per "
+                "step from cross-replica code and do per-replica work inside `fn`"
+            )
+        strategy = self._container_strategy
+        self._before_run()
+        try:
+            if self._num_local == 1:
+                replica_ctx = ReplicaContext(strategy, self._global_id(0), 0)
+                with context._push(strategy, replica_ctx):
+                    return fn(*select_replica(0, tuple(args)), **select_replica(0, kwargs))
+            results = self._run_in_threads(fn, tuple(args), kwargs)
+            return regroup(results)
+        finally:
+            self._after_run()
+
+    def _run_in_threads(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> list[Any]:
+        assert self._rendezvous is not None
+        with self._thread_lock:
+            if self._threads is None:
+                self._threads = ReplicaThreads(self._num_local)
+                self._holder.append(self._threads)
+        strategy = self._container_strategy
+        rendezvous = self._rendezvous
+        rendezvous.reset()
+
+        def replica_fn(local: int) -> Any:
+            replica_ctx = ReplicaContext(strategy, self._global_id(local), local)
+            with context._push(strategy, replica_ctx):
+                return fn(*select_replica(local, args), **select_replica(local, kwargs))
+
+        fns = [functools.partial(replica_fn, i) for i in range(self._num_local)]
+        return self._threads.call(
+            fns, on_error=lambda i, e: rendezvous.abort(e), on_finish=rendezvous.finish
+        )
+
+    def _live_variables(self) -> list[DistributedVariable]:
+        return list(self._variables)
+
+    def _before_run(self) -> None:
+        if self._num_local == 1 or self._central:
+            return
+        for var in self._live_variables():
+            if var._ds_synchronization is not VariableSynchronization.ON_READ:
+                var._sync_from_primary()
+
+    def _after_run(self) -> None:
+        if self._central:
+            return
+        changed_buffers = []
+        for var in self._live_variables():
+            if var._ds_synchronization is VariableSynchronization.ON_READ:
+                continue
+            if var._ds_is_buffer and var._primary_version() != var._ds_synced_version:
+                changed_buffers.append(var)
+            else:
+                var._mark_synced()
+        if changed_buffers:
+            self._sync_buffers(changed_buffers)
+
+    def _sync_buffers(self, buffers: list[DistributedVariable]) -> None:
+        """Makes buffers that `fn` changed (e.g. BatchNorm statistics) agree again.
+
+        Floating buffers take the mean over all replicas; others replica 0's value.
+        """
+        means = [b for b in buffers if b._ds_aggregation is VariableAggregation.MEAN]
+        firsts = [b for b in buffers if b._ds_aggregation is not VariableAggregation.MEAN]
+        if means:
+            totals = [_sum_to(list(b.values), self._devices[0]) for b in means]
+            if self._cross_worker is not None:
+                totals = self._cross_worker.all_reduce(totals, ReduceOp.SUM, name="buffers")
+            n = self._num_replicas_in_sync()
+            for b, total in zip(means, totals):
+                b._write_all("assign", [(total / n).to(d) for d in self._devices])
+        if firsts:
+            primaries = [b.values[0].clone() for b in firsts]
+            if self._cross_worker is not None:
+                self._cross_worker.broadcast(primaries, 0, name="buffers")
+            for b, value in zip(firsts, primaries):
+                b._write_all("assign", [value] * self._num_local)
+
+    # -- variables --------------------------------------------------------------------
+
+    def _create_variable(
+        self,
+        value: torch.Tensor,
+        *,
+        trainable: bool,
+        synchronization: VariableSynchronization,
+        aggregation: VariableAggregation,
+        is_param: bool = False,
+        is_buffer: bool = False,
+    ) -> DistributedVariable:
+        if synchronization is VariableSynchronization.NONE:
+            raise InvalidArgumentError(
+                "`NONE` variable synchronization mode is not supported under "
+                f"{self._container_strategy!r}; use AUTO, ON_WRITE or ON_READ"
+            )
+        floating = value.is_floating_point() or value.is_complex()
+        if aggregation is VariableAggregation.MEAN and not floating:
+            raise InvalidArgumentError(
+                f"MEAN aggregation needs a floating variable, got dtype {value.dtype}; "
+                "use SUM or ONLY_FIRST_REPLICA, or a floating initial value"
+            )
+        cls: type[DistributedVariable]
+        if synchronization is VariableSynchronization.ON_READ:
+            cls = SyncOnReadVariable
+        elif self._num_local > 1:
+            cls = _ReplicatedMirroredVariable
+        else:
+            cls = MirroredVariable
+        sync = (
+            VariableSynchronization.ON_READ
+            if synchronization is VariableSynchronization.ON_READ
+            else VariableSynchronization.ON_WRITE
+        )
+        # The default strategy places nothing: its variables stay where the value is.
+        devices = self._devices if self._captures_modules else (value.device,)
+        var = cls._create(
+            value,
+            self._container_strategy,
+            devices,
+            trainable=trainable,
+            aggregation=aggregation,
+            synchronization=sync,
+            is_param=is_param,
+            is_buffer=is_buffer,
+            alias_components=self._central and sync is VariableSynchronization.ON_WRITE,
+        )
+        if self._num_workers > 1 and self._cross_worker is not None and sync is not VariableSynchronization.ON_READ:
+            self._broadcast_initial_value(var)
+        self._variables.add(var)
+        return var
+
+    def _broadcast_initial_value(self, var: DistributedVariable) -> None:
+        """Gives every worker the chief's initial value, whatever their seeds."""
+        assert self._cross_worker is not None
+        primary = var.values[0].clone()
+        self._cross_worker.broadcast([primary], 0, name="initial variable values")
+        var._write_all("assign", [primary] * self._num_local)
+
+    def _read_sync_on_read(self, var: DistributedVariable) -> torch.Tensor:
+        components = [var._plain_component(i) for i in range(self._num_local)]
+        aggregation = var._ds_aggregation
+        if aggregation is VariableAggregation.NONE:
+            raise InvalidArgumentError(
+                "a SyncOnReadVariable with NONE aggregation cannot be read in cross-replica "
+                "context (its replicas' values have no combined meaning); give it SUM, MEAN "
+                "or ONLY_FIRST_REPLICA aggregation, or read it inside `run`"
+            )
+        if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            first = components[0].clone()
+            if self._cross_worker is not None:
+                self._cross_worker.broadcast([first], 0, name="SyncOnReadVariable read")
+            return first
+        total = _sum_to(components, self._devices[0])
+        if self._cross_worker is not None:
+            total = self._cross_worker.all_reduce([total], ReduceOp.SUM, name="SyncOnReadVariable read")[0]
+        if aggregation is VariableAggregation.MEAN:
+            total = total / self._num_replicas_in_sync()
+        return total
+
+    def _skip_grads_in_this_replica(self) -> bool:
+        return bool(getattr(self._skip_grads, "value", False))
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
+        if not self.variable_created_in_scope(colocate_with_variable):
+            raise InvalidArgumentError(
+                f"colocate_vars_with needs a variable created in {self._container_strategy!r}'s "
+                f"scope, got {type(colocate_with_variable).__name__}"
+            )
+        yield  # every variable of this strategy already lives on the same devices
+
+    def update(
+        self,
+        var: DistributedVariable,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        group: bool = True,
+    ) -> Any:
+        if not self.variable_created_in_scope(var):
+            raise InvalidArgumentError(
+                f"update() needs a variable of {self._container_strategy!r}, got {type(var).__name__}"
+            )
+        kwargs = kwargs or {}
+        results = []
+        n = 1 if self._central else self._num_local
+        with torch.no_grad():
+            for i in range(n):
+                component = var._plain_component(i)
+                results.append(fn(component, *select_replica(i, tuple(args)), **select_replica(i, kwargs)))
+        var._mark_synced()
+        if not group:
+            return tuple(results)
+        return regroup(results, Mirrored)
+
+    # -- collectives in replica context -------------------------------------------------
+
+    def _exchange(
+        self, local: int, kind: str, payload: Any, combine: Callable[[list[Any]], Any]
+    ) -> Any:
+        """Runs `combine` over every local replica's payload (inline with one replica)."""
+        if self._rendezvous is None:
+            return combine([payload])
+
+        def checked(entries: list[tuple[str, Any]]) -> Any:
+            kinds = {k for k, _ in entries}
+            if len(kinds) > 1:
+                described = ", ".join(f"replica {self._global_id(i)}: {k}" for i, (k, _) in enumerate(entries))
+                raise ContextError(
+                    f"replicas called different collectives at the same point ({described}); "
+                    "every replica must make the same collective calls in the same order"
+                )
+            return combine([p for _, p in entries])
+
+        return self._rendezvous.exchange(local, (kind, payload), checked, kind)
+
+    def _all_reduce_tensors(
+        self, local: int, op: ReduceOp, tensors: Sequence[torch.Tensor], name: str
+    ) -> list[torch.Tensor]:
+        """All-reduces `tensors` over every replica; returns replica `local`'s copies."""
+
+        def combine(per_replica: list[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+            self._check_same_signatures(name, per_replica)
+            totals = [
+                _sum_to([p[j] for p in per_replica], self._devices[0])
+                for j in range(len(per_replica[0]))
+            ]
+            if self._cross_worker is not None:
+                totals = self._cross_worker.all_reduce(totals, ReduceOp.SUM, name=name)
+            if op is ReduceOp.MEAN:
+                n = self._num_replicas_in_sync()
+                totals = [t / n if t.is_floating_point() else t.double() / n for t in totals]
+            return [[t.to(d, copy=True) for t in totals] for d in self._devices]
+
+        detached = [t.detach() for t in tensors]
+        per_replica_results: list[list[torch.Tensor]] = self._exchange(local, f"all_reduce {name}", detached, combine)
+        return per_replica_results[local]
+
+    def _check_same_signatures(self, name: str, per_replica: list[Sequence[torch.Tensor]]) -> None:
+        signatures = [[(t.dtype, tuple(t.shape)) for t in p] for p in per_replica]
+        for i, sig in enumerate(signatures[1:], start=1):
+            if sig != signatures[0]:
+                raise CollectiveMismatchError(
+                    f"{name}: replica {self._global_id(0)} passed {_describe(signatures[0])} but "
+                    f"replica {self._global_id(i)} passed {_describe(sig)}; every replica must pass "
+                    "the same structure, shapes and dtypes"
+                )
+
+    def _replica_all_reduce(self, replica_ctx: ReplicaContext, op: ReduceOp, value: Any) -> Any:
+        leaves = flatten(value)
+        if self._num_replicas_in_sync() == 1:
+            return value
+        tensors = [torch.as_tensor(leaf) for leaf in leaves]
+        local = replica_ctx.local_replica_id
+        outs = _AllReduce.apply(self, local, op, "all_reduce", *tensors)
+        results = [
+            out if isinstance(leaf, torch.Tensor) else out.item() for leaf, out in zip(leaves, outs)
+        ]
+        return pack_sequence_as(value, results)
+
+    def _replica_all_gather(self, replica_ctx: ReplicaContext, value: Any, axis: int) -> Any:
+        leaves = flatten(value)
+        local = replica_ctx.local_replica_id
+        outs = []
+        for leaf in leaves:
+            tensor = torch.as_tensor(leaf)
+            _check_axis(tensor, axis, "all_gather")
+            outs.append(_AllGather.apply(self, local, axis % tensor.dim(), tensor))
+        return pack_sequence_as(value, outs)
+
+    def _all_gather_tensor(
+        self, local: int, tensor: torch.Tensor, axis: int, name: str
+    ) -> tuple[torch.Tensor, list[int]]:
+        def combine(per_replica: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[int]]]:
+            _check_gatherable(per_replica, axis, name, self._global_id)
+            gathered = torch.cat([t.to(self._devices[0]) for t in per_replica], dim=axis)
+            sizes = [int(t.shape[axis]) for t in per_replica]
+            if self._cross_worker is not None:
+                sizes_t = torch.tensor(sizes, dtype=torch.int64)
+                sizes = self._cross_worker.all_gather(sizes_t, 0, name=f"{name} sizes").tolist()
+                gathered = self._cross_worker.all_gather(gathered, axis, name=name)
+            return [(gathered.to(d, copy=True), sizes) for d in self._devices]
+
+        results: list[tuple[torch.Tensor, list[int]]] = self._exchange(local, name, tensor.detach(), combine)
+        return results[local]
+
+    def _replica_merge_call(
+        self,
+        replica_ctx: ReplicaContext,
+        merge_fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        strategy = self._container_strategy
+
+        def run_merge(merge_args: Any, merge_kwargs: Any) -> Any:
+            with context._push(strategy, None):
+                return merge_fn(strategy, *merge_args, **merge_kwargs)
+
+        if self._rendezvous is None:
+            return run_merge(args, kwargs)
+
+        def combine(per_replica: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> Any:
+            merged_args = regroup([a for a, _ in per_replica])
+            merged_kwargs = regroup([k for _, k in per_replica])
+            return run_merge(merged_args, merged_kwargs)
+
+        local = replica_ctx.local_replica_id
+        result = self._exchange(local, "merge_call", (args, kwargs), combine)
+        return select_replica(local, result)
+
+    def _replica_broadcast_first(self, replica_ctx: ReplicaContext, value: torch.Tensor) -> Any:
+        def combine(per_replica: list[torch.Tensor]) -> list[torch.Tensor]:
+            first = per_replica[0].detach().clone()
+            if self._cross_worker is not None:
+                self._cross_worker.broadcast([first], 0, name="ONLY_FIRST_REPLICA assign")
+            return [first.to(d, copy=True) for d in self._devices]
+
+        local = replica_ctx.local_replica_id
+        results: list[torch.Tensor] = self._exchange(local, "broadcast", value, combine)
+        return results[local]
+
+    # -- cross-replica reductions -----------------------------------------------------
+
+    def _components(self, leaf: Any) -> list[Any] | None:
+        if isinstance(leaf, DistributedValues):
+            return list(leaf.values)
+        if isinstance(leaf, DistributedVariable):
+            return list(leaf.values)
+        return None
+
+    def _reduce(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
+        if isinstance(value, DistributedVariable):
+            return self._reduce_leaf(op, value, axis)
+        return pack_sequence_as(value, [self._reduce_leaf(op, leaf, axis) for leaf in flatten(value)])
+
+    def _reduce_leaf(self, op: ReduceOp, leaf: Any, axis: int | None) -> Any:
+        components = self._components(leaf)
+        count_divisor: int
+        if components is None:
+            if self._num_workers == 1:
+                if op is ReduceOp.MEAN or self._num_replicas_in_sync() == 1:
+                    return leaf if axis is None else self._reduce_leaf(op, PerReplica([leaf]), axis)
+                raise InvalidArgumentError(
+                    f"reduce(SUM) of a non-distributed value ({type(leaf).__name__}) over "
+                    f"{self._num_replicas_in_sync()} replicas is ambiguous; pass the PerReplica "
+                    "that `run` returned, or use MEAN"
+                )
+            components = [leaf]  # a host value: one per worker, summed across workers (TF)
+            count_divisor = self._num_workers
+        else:
+            count_divisor = self._num_replicas_in_sync()
+        tensors = [torch.as_tensor(c) for c in components]
+        count = None
+        if axis is not None:
+            for t in tensors:
+                _check_axis(t, axis, "reduce")
+            count = sum(int(t.shape[axis]) for t in tensors)
+            tensors = [t.sum(dim=axis) for t in tensors]
+        total = _sum_to(tensors, self._devices[0])
+        if self._cross_worker is not None:
+            extra = [torch.tensor(float(count or 0), dtype=torch.float64)]
+            reduced = self._cross_worker.all_reduce([total, *extra], ReduceOp.SUM, name="reduce")
+            total = reduced[0]
+            count = int(reduced[1].item()) if count is not None else None
+        if op is ReduceOp.SUM:
+            return total
+        divisor = count if count is not None else count_divisor
+        if not total.is_floating_point():
+            total = total.double()
+        return total / divisor if divisor else total * float("nan")
+
+    def _gather(self, value: Any, axis: int) -> Any:
+        return pack_sequence_as(value, [self._gather_leaf(leaf, axis) for leaf in flatten(value)])
+
+    def _gather_leaf(self, leaf: Any, axis: int) -> torch.Tensor:
+        components = self._components(leaf)
+        if components is None:
+            components = [leaf] * self._num_local
+        tensors = [torch.as_tensor(c) for c in components]
+        for t in tensors:
+            _check_axis(t, axis, "gather")
+        axis = axis % tensors[0].dim()
+        _check_gatherable(tensors, axis, "gather", self._global_id)
+        gathered = torch.cat([t.to(self._devices[0]) for t in tensors], dim=axis)
+        if self._cross_worker is not None:
+            gathered = self._cross_worker.all_gather(gathered, axis, name="gather")
+        return gathered
+
+    def _local_results(self, value: Any) -> tuple[Any, ...]:
+        components = self._components(value)
+        if components is not None:
+            return tuple(components)
+        if isinstance(value, (list, tuple, dict)) or _is_dataclass(value):
+            return tuple(select_replica(i, value) for i in range(self._num_local))
+        return (value,)
+
+    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any) -> Any:
+        op = ReduceOp.from_value(reduce_op)
+        if self._cross_device_ops is not None and self._cross_worker is None:
+            return self._cross_device_ops.reduce(op, value, destinations)
+        reduced = self._reduce_leaf(op, value, None)
+        return _place(reduced, destinations)
+
+    # -- input ------------------------------------------------------------------------
+
+    def _input_workers(self) -> Any:
+        from distribute.data.dataset import InputWorkers
+
+        cross = self._cross_worker
+        sum_across: Callable[[int], int] = (
+            (lambda n: cross.all_reduce_int(n, "end-of-data agreement"))
+            if cross is not None
+            else (lambda n: n)
+        )
+        return InputWorkers(
+            devices=self._devices,
+            worker_index=self._worker_index,
+            num_workers=self._num_workers,
+            sum_across_workers=sum_across,
+        )
+
+    def _distribute_dataset(self, dataset: Any, options: InputOptions | None) -> Any:
+        from distribute.data.dataset import DistributedDataset
+
+        return DistributedDataset(dataset, self._input_workers(), options)
+
+    def _distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Any], options: InputOptions | None
+    ) -> Any:
+        from distribute.data.dataset import DistributedDatasetsFromFunction
+
+        return DistributedDatasetsFromFunction(dataset_fn, self._input_workers(), options)
+
+    def _distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
+        from distribute.data.options import ValueContext
+
+        n = self._num_replicas_in_sync()
+        results = [value_fn(ValueContext(self._global_id(i), n)) for i in range(self._num_local)]
+        if len(results) == 1 and not self._wrap_single_values:
+            return results[0]
+        return PerReplica(results)
+
+    # -- gradients ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skips gradient communication during backward passes inside the block.
+
+        Gradients accumulate locally; the next optimizer step outside the block
+        aggregates everything accumulated so far.
+        """
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+
+def _shutdown_threads(holder: list[ReplicaThreads]) -> None:
+    for threads in holder:
+        threads.shutdown()
+
+
+def _is_dataclass(x: Any) -> bool:
+    import dataclasses
+
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+def _sum_to(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    total = tensors[0].detach().to(device, copy=True)
+    for t in tensors[1:]:
+        total += t.detach().to(device)
+    return total
+
+
+def _describe(signature: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> str:
+    return "[" + ", ".join(f"{str(d).removeprefix('torch.')}{list(s)}" for d, s in signature) + "]"
+
+
+def _check_axis(tensor: torch.Tensor, axis: int, what: str) -> None:
+    if tensor.dim() == 0:
+        raise InvalidArgumentError(
+            f"{what} along axis {axis} needs tensors of rank >= 1, got a scalar; "
+            "reshape it with x.reshape(1) or use reduce with axis=None"
+        )
+    if not -tensor.dim() <= axis < tensor.dim():
+        raise InvalidArgumentError(
+            f"{what}: axis {axis} is out of range for a tensor of shape {list(tensor.shape)}"
+        )
+
+
+def _check_gatherable(
+    tensors: Sequence[torch.Tensor], axis: int, what: str, global_id: Callable[[int], int]
+) -> None:
+    def others(t: torch.Tensor) -> tuple[Any, ...]:
+        shape = list(t.shape)
+        shape[axis] = -1
+        return (t.dtype, tuple(shape))
+
+    reference = others(tensors[0])
+    for i, t in enumerate(tensors[1:], start=1):
+        if others(t) != reference or t.dim() != tensors[0].dim():
+            raise CollectiveMismatchError(
+                f"{what}: replica {global_id(0)} has {tensors[0].dtype}{list(tensors[0].shape)} but "
+                f"replica {global_id(i)} has {t.dtype}{list(t.shape)}; shapes may differ only "
+                f"along axis {axis}"
+            )
+
+
+def _place(value: torch.Tensor, destinations: Any) -> Any:
+    if destinations is None:
+        return value
+    if isinstance(destinations, DistributedVariable):
+        return Mirrored([value.to(c.device, copy=True) for c in destinations.values])
+    if isinstance(destinations, DistributedValues):
+        return Mirrored([value.to(torch.as_tensor(c).device, copy=True) for c in destinations.values])
+    if isinstance(destinations, torch.Tensor):
+        return value.to(destinations.device)
+    return value.to(parse_device(destinations)[1])
+
+
+class _AllReduce(torch.autograd.Function):
+    """All-reduce whose gradient is the all-reduce of the gradient (SUM: sum; MEAN: mean)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, ext: ReplicatedExtended, local: int, op: ReduceOp, name: str, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.ext, ctx.local, ctx.op, ctx.name = ext, local, op, name
+        return tuple(ext._all_reduce_tensors(local, op, tensors, name))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ext: ReplicatedExtended = ctx.ext
+        out = ext._all_reduce_tensors(ctx.local, ctx.op, list(grads), f"{ctx.name} (backward)")
+        return (None, None, None, None, *out)
+
+
+class _AllGather(torch.autograd.Function):
+    """All-gather whose gradient is this replica's slice of the summed gradient."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, ext: ReplicatedExtended, local: int, axis: int, tensor: torch.Tensor
+    ) -> torch.Tensor:
+        gathered, sizes = ext._all_gather_tensor(local, tensor, axis, "all_gather")
+        ctx.ext, ctx.local, ctx.axis, ctx.sizes = ext, local, axis, sizes
+        ctx.global_id = ext._global_id(local)
+        return gathered
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        ext: ReplicatedExtended = ctx.ext
+        summed = ext._all_reduce_tensors(ctx.local, ReduceOp.SUM, [grad], "all_gather (backward)")[0]
+        offset = sum(ctx.sizes[: ctx.global_id])
+        return (None, None, None, summed.narrow(ctx.axis, offset, ctx.sizes[ctx.global_id]))

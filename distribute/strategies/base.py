@@ -1,0 +1,340 @@
+"""`Strategy` and `StrategyExtended`: the surface every strategy shares.
+
+Glossary (as in tf.distribute):
+    replica: one copy of the model, running the user's step on its share of a batch.
+    worker: one process; it drives one or more local replicas.
+    replica context: inside `strategy.run`; `ds.get_replica_context()` is a
+        `ReplicaContext` and torch ops see the running replica's variable copies.
+    cross-replica context: inside `strategy.scope()` outside `run` (or in a
+        `merge_call`); one sees every replica's values, as `PerReplica`/`Mirrored`.
+    synchronization: when variable copies agree (ON_WRITE: always; ON_READ: when read
+        in cross-replica context). aggregation: how replicas' writes combine.
+
+Concrete strategies subclass `Strategy` directly and compose a `StrategyExtended`
+implementation; behaviour is shared by composition, never by subclassing a concrete
+strategy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from distribute import context
+from distribute._enums import ReduceOp, VariableAggregation, VariableSynchronization
+from distribute.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from distribute.context import ReplicaContext
+    from distribute.data.options import InputContext, InputOptions, ValueContext
+    from distribute.variables import DistributedVariable
+
+__all__ = ["Strategy", "StrategyExtended"]
+
+
+class StrategyExtended:
+    """Additional strategy methods for library and advanced users.
+
+    Example:
+        >>> import distribute as ds
+        >>> ds.OneDeviceStrategy("cpu").extended.worker_devices
+        (device(type='cpu'),)
+    """
+
+    _captures_modules: bool = False
+
+    def __init__(self, container_strategy: Strategy) -> None:
+        self._container_strategy = container_strategy
+
+    # -- public surface (API.md) --------------------------------------------------
+
+    @property
+    def worker_devices(self) -> tuple[torch.device, ...]:
+        """The devices of this worker's replicas, in local replica order."""
+        raise NotImplementedError
+
+    @property
+    def parameter_devices(self) -> tuple[torch.device, ...]:
+        """The devices holding this worker's variable copies."""
+        raise NotImplementedError
+
+    def call_for_each_replica(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Runs `fn` once per local replica in replica context (what `run` does)."""
+        raise NotImplementedError
+
+    def colocate_vars_with(self, colocate_with_variable: Any) -> contextlib.AbstractContextManager[None]:
+        """A scope in which new variables are placed like `colocate_with_variable`."""
+        raise NotImplementedError
+
+    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any) -> Any:
+        """Reduces `value` across replicas and places the result on `destinations`."""
+        raise NotImplementedError
+
+    def batch_reduce_to(
+        self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]]
+    ) -> list[Any]:
+        """`reduce_to` for several (value, destinations) pairs."""
+        return [self.reduce_to(reduce_op, v, d) for v, d in value_destination_pairs]
+
+    def update(
+        self,
+        var: DistributedVariable,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        group: bool = True,
+    ) -> Any:
+        """Calls `fn(component, *args, **kwargs)` on every component of `var`."""
+        raise NotImplementedError
+
+    def variable_created_in_scope(self, v: Any) -> bool:
+        """Whether `v` is a variable created in this strategy's scope."""
+        from distribute.variables import DistributedVariable
+
+        return isinstance(v, DistributedVariable) and v._ds_strategy is self._container_strategy
+
+    # -- internals the rest of the library calls ----------------------------------
+
+    def _create_variable(
+        self,
+        value: torch.Tensor,
+        *,
+        trainable: bool,
+        synchronization: VariableSynchronization,
+        aggregation: VariableAggregation,
+        is_param: bool = False,
+        is_buffer: bool = False,
+    ) -> DistributedVariable:
+        raise NotImplementedError
+
+    def _replica_all_reduce(self, replica_ctx: ReplicaContext, op: ReduceOp, value: Any) -> Any:
+        raise NotImplementedError
+
+    def _replica_all_gather(self, replica_ctx: ReplicaContext, value: Any, axis: int) -> Any:
+        raise NotImplementedError
+
+    def _replica_merge_call(
+        self,
+        replica_ctx: ReplicaContext,
+        merge_fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        raise NotImplementedError
+
+    def _replica_broadcast_first(self, replica_ctx: ReplicaContext, value: torch.Tensor) -> Any:
+        raise NotImplementedError
+
+    def _read_sync_on_read(self, var: DistributedVariable) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _skip_grads_in_this_replica(self) -> bool:
+        return False
+
+    def _num_replicas_in_sync(self) -> int:
+        raise NotImplementedError
+
+    def _reduce(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
+        raise NotImplementedError
+
+    def _gather(self, value: Any, axis: int) -> Any:
+        raise NotImplementedError
+
+    def _local_results(self, value: Any) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def _distribute_dataset(self, dataset: Any, options: InputOptions | None) -> Any:
+        raise NotImplementedError
+
+    def _distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Any], options: InputOptions | None
+    ) -> Any:
+        raise NotImplementedError
+
+    def _distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
+        raise NotImplementedError
+
+    def _enter_scope(self) -> None:
+        context._enter_scope(self._container_strategy)
+
+    def _exit_scope(self) -> None:
+        context._exit_scope()
+
+
+class Strategy:
+    """Base class of every strategy: how a training step is distributed.
+
+    Users do not build a `Strategy` directly; they pick a concrete strategy and change
+    only that object to move a training step between one CPU, several devices and
+    several machines.
+
+    Example:
+        >>> import distribute as ds, torch
+        >>> strategy = ds.OneDeviceStrategy("cpu")
+        >>> with strategy.scope():
+        ...     model = torch.nn.Linear(2, 1)
+        >>> out = strategy.run(lambda x: model(x).sum(), args=(torch.ones(4, 2),))
+        >>> float(strategy.reduce("sum", out, axis=None)) == float(out)
+        True
+    """
+
+    def __init__(self, extended: StrategyExtended) -> None:
+        self._extended = extended
+
+    @property
+    def extended(self) -> StrategyExtended:
+        """The `StrategyExtended` with the advanced methods."""
+        return self._extended
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The number of replicas over all workers."""
+        return self._extended._num_replicas_in_sync()
+
+    @property
+    def cluster_resolver(self) -> Any:
+        """The cluster resolver, or `None` for single-process strategies."""
+        return None
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Strategy]:
+        """Makes this strategy current; modules built inside get distributed variables.
+
+        Re-entering the same strategy's scope is fine; entering a different strategy's
+        scope inside it raises `RuntimeError` naming both.
+
+        Example:
+            >>> import distribute as ds, torch
+            >>> s = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> with s.scope():
+            ...     w = torch.nn.Linear(1, 1).weight
+            >>> type(w).__name__.endswith("MirroredVariable")
+            True
+        """
+        self._extended._enter_scope()
+        try:
+            yield self
+        finally:
+            self._extended._exit_scope()
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        options: Any = None,
+    ) -> Any:
+        """Runs `fn` once per local replica, in replica context.
+
+        `DistributedValues` in `args`/`kwargs` (at any depth) are replaced by each
+        replica's own component.
+
+        Returns:
+            A `PerReplica` (leaves of a nest) of the replicas' results; a plain value
+            where there is one local replica or every replica returned the same object.
+
+        Raises:
+            InvalidArgumentError: `args` is not a list or tuple.
+
+        Example:
+            >>> import distribute as ds
+            >>> s = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> s.run(lambda: ds.get_replica_context().replica_id_in_sync_group)
+            PerReplica(0, 1)
+        """
+        if not isinstance(args, (list, tuple)):
+            raise InvalidArgumentError(
+                f"run(fn, args=...) expects args to be a list or tuple, got "
+                f"{type(args).__name__}; wrap a single argument as args=(x,)"
+            )
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise InvalidArgumentError(
+                f"run(fn, kwargs=...) expects a dict, got {type(kwargs).__name__}"
+            )
+        return self._extended.call_for_each_replica(fn, args, kwargs)
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Reduces `value` across all replicas (cross-replica context only).
+
+        Args:
+            reduce_op: SUM or MEAN (or their names, any case).
+            value: a `PerReplica`/`Mirrored`, a distributed variable, a plain value,
+                or a nest of them.
+            axis: None reduces across replicas only; `k` also reduces along dim k, and
+                MEAN then divides by the total number of elements along k.
+
+        Example:
+            >>> import distribute as ds, torch
+            >>> s = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> v = ds.PerReplica((torch.tensor([1., 2., 3., 4.]), torch.tensor([5., 6.])))
+            >>> float(s.reduce("mean", v, axis=0))   # 21 / 6
+            3.5
+        """
+        context.require_cross_replica(
+            self, "reduce", "use ds.get_replica_context().all_reduce() or merge_call() there"
+        )
+        op = ReduceOp.from_value(reduce_op)
+        return self._extended._reduce(op, value, axis)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenates every replica's component along `axis` (cross-replica only).
+
+        Example:
+            >>> import distribute as ds, torch
+            >>> s = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> s.gather(ds.PerReplica((torch.tensor([1]), torch.tensor([2, 3]))), axis=0)
+            tensor([1, 2, 3])
+        """
+        context.require_cross_replica(
+            self, "gather", "use ds.get_replica_context().all_gather() there"
+        )
+        return self._extended._gather(value, axis)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """The components of `value` on this worker, as a tuple.
+
+        Example:
+            >>> import distribute as ds
+            >>> s = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> s.experimental_local_results(ds.PerReplica((1, 2)))
+            (1, 2)
+        """
+        return self._extended._local_results(value)
+
+    def experimental_distribute_dataset(self, dataset: Any, options: InputOptions | None = None) -> Any:
+        """Distributes a DataLoader (or iterable of global batches) over the replicas.
+
+        Each step yields the global batch split per replica (see `ds.data`).
+        """
+        return self._extended._distribute_dataset(dataset, options)
+
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Any], options: InputOptions | None = None
+    ) -> Any:
+        """Builds one input pipeline per worker (or replica) with `dataset_fn(InputContext)`."""
+        return self._extended._distribute_datasets_from_function(dataset_fn, options)
+
+    def experimental_distribute_values_from_function(
+        self, value_fn: Callable[[ValueContext], Any]
+    ) -> Any:
+        """Calls `value_fn(ValueContext)` once per local replica; results in a `PerReplica`.
+
+        Example:
+            >>> import distribute as ds
+            >>> s = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> s.experimental_distribute_values_from_function(
+            ...     lambda ctx: ctx.replica_id_in_sync_group * 10)
+            PerReplica(0, 10)
+        """
+        return self._extended._distribute_values_from_function(value_fn)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"

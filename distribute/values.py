@@ -1,0 +1,247 @@
+"""Distributed values and the nest helpers that split and regroup them per replica.
+
+Glossary:
+    PerReplica: one value per local replica, possibly different (a replica's batch,
+        a replica's loss).
+    Mirrored: one value per local replica, all identical (a broadcast result).
+
+Nests are lists, tuples, namedtuples, dicts and dataclass instances, at any depth;
+anything else (tensors, numbers, strings, None, `DistributedValues`) is a leaf. Dict
+keys are visited in sorted order, as `tf.nest` does, so every replica flattens a
+dict the same way whatever its insertion order.
+
+Example:
+    >>> import distribute as ds
+    >>> v = ds.PerReplica((1, 2))
+    >>> ds.values.select_replica(1, {"x": v, "y": 5})
+    {'x': 2, 'y': 5}
+    >>> ds.values.regroup([(1, "a"), (2, "a")])
+    (PerReplica(1, 2), 'a')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from distribute.errors import InvalidArgumentError
+
+__all__ = [
+    "DistributedValues",
+    "Mirrored",
+    "PerReplica",
+    "assert_same_structure",
+    "flatten",
+    "map_structure",
+    "pack_sequence_as",
+    "regroup",
+    "select_replica",
+]
+
+
+class DistributedValues:
+    """Base class of values with one component per local replica.
+
+    Args:
+        values: the components, in local replica order.
+
+    Example:
+        >>> import distribute as ds
+        >>> ds.PerReplica([1, 2]).values
+        (1, 2)
+    """
+
+    def __init__(self, values: Sequence[Any]) -> None:
+        self._values = tuple(values)
+        if not self._values:
+            raise InvalidArgumentError(
+                f"{type(self).__name__} needs at least one component, got none"
+            )
+
+    @property
+    def values(self) -> tuple[Any, ...]:
+        """The components, one per local replica."""
+        return self._values
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(repr(v) for v in self._values)})"
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        assert isinstance(other, DistributedValues)
+        return len(self._values) == len(other._values) and all(
+            a is b or _leaf_equal(a, b) for a, b in zip(self._values, other._values)
+        )
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+def _leaf_equal(a: Any, b: Any) -> bool:
+    try:
+        result = a == b
+        return bool(result) if not hasattr(result, "all") else bool(result.all())
+    except Exception:
+        return False
+
+
+class PerReplica(DistributedValues):
+    """Per-replica values that may differ: what `run` returns and batches hold."""
+
+
+class Mirrored(DistributedValues):
+    """Per-replica values that are identical on every replica."""
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def _is_dataclass_instance(x: Any) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+def _children(x: Any) -> list[Any] | None:
+    """The children of a nest node in canonical order, or None for a leaf."""
+    if isinstance(x, DistributedValues):
+        return None
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    if isinstance(x, dict):
+        return [x[k] for k in _sorted_keys(x)]
+    if _is_dataclass_instance(x):
+        return [getattr(x, f.name) for f in dataclasses.fields(x) if f.init]
+    return None
+
+
+def _sorted_keys(d: dict[Any, Any]) -> list[Any]:
+    try:
+        return sorted(d)
+    except TypeError:
+        return sorted(d, key=repr)
+
+
+def _rebuild(template: Any, children: list[Any]) -> Any:
+    if _is_namedtuple(template):
+        return type(template)(*children)
+    if isinstance(template, tuple):
+        return tuple(children) if type(template) is tuple else type(template)(children)
+    if isinstance(template, list):
+        return list(children) if type(template) is list else type(template)(children)
+    if isinstance(template, dict):
+        rebuilt = dict(zip(_sorted_keys(template), children))
+        ordered = {k: rebuilt[k] for k in template}
+        return ordered if type(template) is dict else type(template)(ordered)
+    names = [f.name for f in dataclasses.fields(template) if f.init]
+    return dataclasses.replace(template, **dict(zip(names, children)))
+
+
+def flatten(structure: Any) -> list[Any]:
+    """Returns the leaves of `structure` in canonical order."""
+    children = _children(structure)
+    if children is None:
+        return [structure]
+    leaves: list[Any] = []
+    for child in children:
+        leaves.extend(flatten(child))
+    return leaves
+
+
+def pack_sequence_as(structure: Any, leaves: Sequence[Any]) -> Any:
+    """Builds a nest shaped like `structure` from `leaves` (the inverse of `flatten`)."""
+    it = iter(leaves)
+
+    def build(node: Any) -> Any:
+        children = _children(node)
+        if children is None:
+            try:
+                return next(it)
+            except StopIteration:
+                raise InvalidArgumentError(
+                    f"pack_sequence_as: too few leaves ({len(leaves)}) for the structure"
+                ) from None
+        return _rebuild(node, [build(c) for c in children])
+
+    result = build(structure)
+    if next(it, _SENTINEL) is not _SENTINEL:
+        raise InvalidArgumentError(
+            f"pack_sequence_as: too many leaves ({len(leaves)}) for the structure"
+        )
+    return result
+
+
+_SENTINEL = object()
+
+
+def _structure_signature(x: Any) -> Any:
+    children = _children(x)
+    if children is None:
+        return None
+    if isinstance(x, dict):
+        key: Any = ("dict", tuple(_sorted_keys(x)))
+    elif _is_dataclass_instance(x):
+        key = ("dataclass", type(x).__qualname__)
+    elif _is_namedtuple(x):
+        key = ("namedtuple", type(x).__qualname__, type(x)._fields)
+    else:
+        key = ("seq", len(children))
+    return (key, tuple(_structure_signature(c) for c in children))
+
+
+def assert_same_structure(a: Any, b: Any, what: str = "structures") -> None:
+    """Raises `InvalidArgumentError` unless `a` and `b` have the same nest structure."""
+    if _structure_signature(a) != _structure_signature(b):
+        raise InvalidArgumentError(
+            f"{what} differ: {_describe(a)} vs {_describe(b)}; every replica must pass "
+            "the same nest structure (same keys, same lengths)"
+        )
+
+
+def _describe(x: Any) -> str:
+    text = repr(pack_sequence_as(x, ["."] * len(flatten(x))))
+    return text if len(text) < 200 else text[:197] + "..."
+
+
+def map_structure(fn: Callable[..., Any], *structures: Any) -> Any:
+    """Applies `fn` to corresponding leaves of `structures` (all of one structure)."""
+    first = structures[0]
+    for other in structures[1:]:
+        assert_same_structure(first, other)
+    flat = [flatten(s) for s in structures]
+    return pack_sequence_as(first, [fn(*leaves) for leaves in zip(*flat)])
+
+
+def select_replica(replica: int, structure: Any) -> Any:
+    """Replaces every `DistributedValues` leaf by its component for local `replica`."""
+    if isinstance(structure, DistributedValues):
+        return structure.values[replica]
+    children = _children(structure)
+    if children is None:
+        return structure
+    return _rebuild(structure, [select_replica(replica, c) for c in children])
+
+
+def regroup(per_replica: Sequence[Any], wrap: type[DistributedValues] = PerReplica) -> Any:
+    """Regroups one nest per replica into one nest whose leaves are `wrap` values.
+
+    A leaf that is the same object on every replica is returned unwrapped, as
+    tf.distribute does.
+
+    Raises:
+        InvalidArgumentError: the replicas returned different structures.
+    """
+    first = per_replica[0]
+    if len(per_replica) == 1:
+        return first
+    for i, other in enumerate(per_replica[1:], start=1):
+        assert_same_structure(first, other, f"values of replica 0 and replica {i}")
+    flat = [flatten(s) for s in per_replica]
+    leaves = []
+    for column in zip(*flat):
+        if all(c is column[0] for c in column):
+            leaves.append(column[0])
+        else:
+            leaves.append(wrap(column))
+    return pack_sequence_as(first, leaves)

@@ -1,0 +1,499 @@
+"""Distributed variables: `MirroredVariable`, `SyncOnReadVariable`, and their capture.
+
+# NOTE [one tensor, several replicas]
+A `MirroredVariable` is a `torch.Tensor` subclass whose own storage is the primary
+component (local replica 0); the other local replicas hold their own tensors in
+`_ds_components`. While replica i runs, `__torch_function__` swaps every variable for
+component i before the op runs, so an unchanged `nn.Module` forward reads replica
+i's copy and autograd accumulates replica i's gradient into component i's `.grad`.
+The `grad` property follows the running replica, so an unchanged optimizer reads
+and updates replica i's own copy. With one local replica the class has no active
+`__torch_function__` at all (the variable behaves exactly like an `nn.Parameter`),
+so single-replica training pays nothing per op.
+
+# NOTE [writes in cross-replica context]
+Cross-replica code (a module's `reset_parameters`, `load_state_dict`, user code
+under `torch.no_grad()`) writes the primary in place. The variable records the
+primary's version counter whenever its copies are known to agree; before the next
+`run` the strategy copies a primary whose version moved to the other components.
+`assign*` write every component at once.
+
+Example:
+    >>> import distribute as ds, torch
+    >>> s = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    >>> with s.scope():
+    ...     layer = torch.nn.Linear(2, 1)
+    >>> isinstance(layer.weight, ds.MirroredVariable), len(layer.weight.values)
+    (True, 2)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.nn.modules import module as _module
+
+from distribute import context
+from distribute._enums import ReduceOp, VariableAggregation, VariableSynchronization
+from distribute.errors import ContextError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    from distribute.strategies.base import Strategy
+
+__all__ = ["DistributedVariable", "MirroredVariable", "SyncOnReadVariable", "Variable"]
+
+_TensorBase: Any = torch._C.TensorBase
+
+
+def _local_replica(strategy: Strategy) -> int | None:
+    """The local replica id running in this thread for `strategy`, else None."""
+    stack = context._state.stack
+    if stack:
+        top = stack[-1]
+        if top.strategy is strategy and top.replica_context is not None:
+            return top.replica_context.local_replica_id
+    return None
+
+
+class DistributedVariable(torch.Tensor):
+    """Base class of `MirroredVariable` and `SyncOnReadVariable`."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    _ds_strategy: Strategy
+    _ds_components: tuple[torch.Tensor, ...]
+    _ds_aggregation: VariableAggregation
+    _ds_synchronization: VariableSynchronization
+    _ds_synced_version: int
+    _ds_is_buffer: bool
+    _ds_trainable: bool
+
+    @classmethod
+    def _create(
+        cls,
+        data: torch.Tensor,
+        strategy: Strategy,
+        devices: Sequence[torch.device],
+        *,
+        trainable: bool,
+        aggregation: VariableAggregation,
+        synchronization: VariableSynchronization,
+        is_param: bool = False,
+        is_buffer: bool = False,
+        alias_components: bool = False,
+    ) -> DistributedVariable:
+        data = data.detach()
+        requires_grad = trainable and (data.is_floating_point() or data.is_complex())
+        primary = data.to(devices[0])
+        var: DistributedVariable = torch.Tensor._make_subclass(cls, primary, requires_grad)
+        components = []
+        for device in devices[1:]:
+            if alias_components:
+                component = var.as_subclass(torch.Tensor).detach()
+            else:
+                component = primary.to(device, copy=True)
+            components.append(component.requires_grad_(requires_grad))
+        var._ds_strategy = strategy
+        var._ds_components = tuple(components)
+        var._ds_aggregation = aggregation
+        var._ds_synchronization = synchronization
+        var._ds_is_buffer = is_buffer
+        var._ds_trainable = trainable
+        var._ds_synced_version = var._primary_version()
+        if is_param:
+            var._is_param = True  # nn.Parameter's isinstance check honours this flag
+        return var
+
+    # -- components ---------------------------------------------------------------
+
+    def _primary_version(self) -> int:
+        with torch._C.DisableTorchFunctionSubclass():
+            return int(self._version)
+
+    def _component(self, replica: int) -> torch.Tensor:
+        """Local replica `replica`'s tensor (the variable itself for replica 0)."""
+        return self if replica == 0 else self._ds_components[replica - 1]
+
+    def _plain_component(self, replica: int) -> torch.Tensor:
+        """Like `_component`, but never the subclass: a detached alias for replica 0."""
+        if replica == 0:
+            with torch._C.DisableTorchFunctionSubclass():
+                return self.as_subclass(torch.Tensor).detach()
+        return self._ds_components[replica - 1].detach()
+
+    def _sync_from_primary(self) -> None:
+        """Copies the primary into the other components if it was written alone."""
+        version = self._primary_version()
+        if version == self._ds_synced_version:
+            return
+        primary = self._plain_component(0)
+        with torch.no_grad():
+            for component in self._ds_components:
+                if component.data_ptr() != primary.data_ptr():
+                    component.copy_(primary)
+        self._ds_synced_version = self._primary_version()
+
+    def _mark_synced(self) -> None:
+        self._ds_synced_version = self._primary_version()
+
+    @property
+    def values(self) -> tuple[torch.Tensor, ...]:
+        """The components, one per local replica (plain tensors sharing storage)."""
+        if self._ds_synchronization is not VariableSynchronization.ON_READ:
+            self._sync_from_primary()
+        return tuple(self._plain_component(i) for i in range(1 + len(self._ds_components)))
+
+    @property
+    def aggregation(self) -> VariableAggregation:
+        """How replica-context writes (mirrored) or cross-replica reads (on-read) combine."""
+        return self._ds_aggregation
+
+    @property
+    def synchronization(self) -> VariableSynchronization:
+        """`ON_WRITE` for mirrored variables, `ON_READ` for sync-on-read ones."""
+        return self._ds_synchronization
+
+    @property
+    def distribute_strategy(self) -> Strategy:
+        """The strategy whose scope created this variable."""
+        return self._ds_strategy
+
+    @property
+    def trainable(self) -> bool:
+        """Whether optimizers should train this variable."""
+        return self._ds_trainable
+
+    # -- reads and writes ---------------------------------------------------------
+
+    def read_value(self) -> torch.Tensor:
+        """The value as seen from the current context (see the class docstring)."""
+        replica = _local_replica(self._ds_strategy)
+        if replica is None:
+            return self._cross_replica_value().clone()
+        return self._component(replica).as_subclass(torch.Tensor).clone()
+
+    def _cross_replica_value(self) -> torch.Tensor:
+        return self._plain_component(0)
+
+    def assign(self, value: Any) -> DistributedVariable:
+        """Writes `value` (see the class docstring for what each context does)."""
+        return self._write("assign", value)
+
+    def assign_add(self, delta: Any) -> DistributedVariable:
+        """Adds `delta` (see `assign`)."""
+        return self._write("assign_add", delta)
+
+    def assign_sub(self, delta: Any) -> DistributedVariable:
+        """Subtracts `delta` (see `assign`)."""
+        return self._write("assign_sub", delta)
+
+    def _write(self, kind: str, value: Any) -> DistributedVariable:
+        raise NotImplementedError
+
+    def _apply_to(self, component: torch.Tensor, kind: str, value: Any) -> None:
+        value = torch.as_tensor(value, dtype=component.dtype, device=component.device)
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            target = component.as_subclass(torch.Tensor) if component is self else component
+            if kind == "assign":
+                target.copy_(value.expand_as(target))
+            elif kind == "assign_add":
+                target.add_(value)
+            else:
+                target.sub_(value)
+
+    def _write_all(self, kind: str, values: Sequence[Any]) -> None:
+        for i in range(1 + len(self._ds_components)):
+            self._apply_to(self._component(i), kind, values[i])
+        self._mark_synced()
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        with torch._C.DisableTorchFunctionSubclass():
+            body = torch.Tensor.__repr__(self.as_subclass(torch.Tensor).detach())
+        return (
+            f"{type(self).__name__}(replicas={1 + len(self._ds_components)}, "
+            f"aggregation={self._ds_aggregation.name}, {body})"
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Pickling (torch.save of a module) stores the primary as a plain tensor.
+        return (_rebuild_plain, (self._plain_component(0).clone(), self.requires_grad))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        plain = self._plain_component(0).clone()
+        if getattr(self, "_is_param", False):
+            return torch.nn.Parameter(plain, requires_grad=self.requires_grad)
+        return plain
+
+
+def _rebuild_plain(data: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    return data.requires_grad_(requires_grad) if requires_grad else data
+
+
+class MirroredVariable(DistributedVariable):
+    """A variable with one identical copy per local replica.
+
+    Inside `run`, torch ops see the running replica's copy; in cross-replica context,
+    reads see the primary (replica 0) and `assign*` write every copy. In replica
+    context, `assign*` follow `aggregation`: SUM/MEAN all-reduce the value over all
+    replicas then write every copy; ONLY_FIRST_REPLICA writes replica 0's value;
+    NONE writes the local copy only.
+
+    Example:
+        >>> import distribute as ds, torch
+        >>> s = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> with s.scope():
+        ...     v = ds.Variable(torch.zeros(()), aggregation=ds.VariableAggregation.SUM)
+        >>> _ = s.run(lambda: v.assign(1.0 + ds.get_replica_context().replica_id_in_sync_group))
+        >>> [float(c) for c in v.values]   # 1 + 2 on both replicas
+        [3.0, 3.0]
+    """
+
+    def _write(self, kind: str, value: Any) -> DistributedVariable:
+        replica_ctx = context._current_replica_context_for(self._ds_strategy)
+        if replica_ctx is None:
+            self._require_not_in_other_replica()
+            self._sync_from_primary()
+            self._write_all(kind, [value] * (1 + len(self._ds_components)))
+            return self
+        replica = replica_ctx.local_replica_id
+        aggregation = self._ds_aggregation
+        extended = self._ds_strategy.extended
+        if aggregation in (VariableAggregation.SUM, VariableAggregation.MEAN):
+            op = ReduceOp.SUM if aggregation is VariableAggregation.SUM else ReduceOp.MEAN
+            value = extended._replica_all_reduce(replica_ctx, op, torch.as_tensor(value))
+        elif aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            value = extended._replica_broadcast_first(replica_ctx, torch.as_tensor(value))
+        self._apply_to(self._component(replica), kind, value)
+        return self
+
+    def _require_not_in_other_replica(self) -> None:
+        top = context._top()
+        if top is not None and top.replica_context is not None:
+            raise ContextError(
+                f"a variable of {self._ds_strategy!r} was assigned inside `run` of "
+                f"{top.strategy!r}; assign it inside its own strategy's `run` or in "
+                "cross-replica context"
+            )
+
+
+class SyncOnReadVariable(DistributedVariable):
+    """A variable whose replicas write their own copy; reads in cross-replica context
+    aggregate the copies (SUM, MEAN, or ONLY_FIRST_REPLICA: replica 0's).
+
+    Typical use: metrics. Cross-replica `assign(x)` with SUM writes x/N to each of the
+    N replicas' copies (so the aggregated read gives x back); cross-replica
+    `assign_add`/`assign_sub` with SUM raise `ValueError`.
+
+    Example:
+        >>> import distribute as ds, torch
+        >>> s = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> with s.scope():
+        ...     total = ds.Variable(0.0, synchronization=ds.VariableSynchronization.ON_READ,
+        ...                         aggregation=ds.VariableAggregation.SUM)
+        >>> _ = s.run(lambda: total.assign_add(2.0))
+        >>> float(total.read_value())   # 2 + 2
+        4.0
+    """
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return _dispatch(func, args, kwargs or {})
+
+    def _read_for(self, replica: int | None) -> torch.Tensor:
+        if replica is not None:
+            return self._component(replica)
+        return self._cross_replica_value()
+
+    def _cross_replica_value(self) -> torch.Tensor:
+        return self._ds_strategy.extended._read_sync_on_read(self)
+
+    def _write(self, kind: str, value: Any) -> DistributedVariable:
+        replica_ctx = context._current_replica_context_for(self._ds_strategy)
+        if replica_ctx is not None:
+            self._apply_to(self._component(replica_ctx.local_replica_id), kind, value)
+            return self
+        n_local = 1 + len(self._ds_components)
+        if self._ds_aggregation is VariableAggregation.SUM:
+            if kind != "assign":
+                raise InvalidArgumentError(
+                    f"SyncOnReadVariable with SUM aggregation does not support {kind} in "
+                    "cross-replica context (the delta cannot be split among replicas); "
+                    "call assign() with the new total, or assign_add inside `run`"
+                )
+            n = self._ds_strategy.num_replicas_in_sync
+            share = torch.as_tensor(value) / n
+            self._write_all(kind, [share] * n_local)
+        else:
+            self._write_all(kind, [value] * n_local)
+        return self
+
+
+class _ReplicatedMirroredVariable(MirroredVariable):
+    """A `MirroredVariable` with several local replicas: dispatches per replica."""
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return _dispatch(func, args, kwargs or {})
+
+    @property  # type: ignore[override]
+    def grad(self) -> torch.Tensor | None:
+        replica = _local_replica(self._ds_strategy)
+        if replica:
+            if self._ds_strategy.extended._skip_grads_in_this_replica():
+                return None
+            return self._ds_components[replica - 1].grad
+        with torch._C.DisableTorchFunctionSubclass():
+            grad: torch.Tensor | None = _TensorBase.grad.__get__(self)
+        return grad
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        replica = _local_replica(self._ds_strategy)
+        if replica:
+            self._ds_components[replica - 1].grad = value
+            return
+        with torch._C.DisableTorchFunctionSubclass():
+            _TensorBase.grad.__set__(self, value)
+        if replica is None and value is None:
+            for component in self._ds_components:  # zero_grad() in cross-replica context
+                component.grad = None
+
+
+def _swap(value: Any, running: tuple[Strategy, int] | None) -> Any:
+    if isinstance(value, DistributedVariable):
+        replica = None
+        if running is not None and running[0] is value._ds_strategy:
+            replica = running[1]
+        if isinstance(value, SyncOnReadVariable):
+            return value._read_for(replica)
+        return value if replica is None else value._component(replica)
+    if isinstance(value, (list, tuple)):
+        swapped = [_swap(v, running) for v in value]
+        return swapped if isinstance(value, list) else type(value)(swapped)
+    if isinstance(value, dict):
+        return {k: _swap(v, running) for k, v in value.items()}
+    return value
+
+
+def _running_replica() -> tuple[Strategy, int] | None:
+    stack = context._state.stack
+    if stack:
+        top = stack[-1]
+        if top.replica_context is not None:
+            return top.strategy, top.replica_context.local_replica_id
+    return None
+
+
+def _dispatch(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    running = _running_replica()
+    args = _swap(args, running)
+    kwargs = _swap(kwargs, running)
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+def Variable(  # noqa: N802 - tf.Variable's name
+    initial_value: Any,
+    trainable: bool | None = None,
+    synchronization: VariableSynchronization = VariableSynchronization.AUTO,
+    aggregation: VariableAggregation = VariableAggregation.NONE,
+    dtype: torch.dtype | None = None,
+) -> DistributedVariable:
+    """Creates a variable of the current strategy.
+
+    In a strategy's scope: a `MirroredVariable` (`AUTO`/`ON_WRITE`) or a
+    `SyncOnReadVariable` (`ON_READ`); outside any scope, a single-copy variable of
+    the default strategy with the same methods.
+
+    Args:
+        initial_value: a tensor, number or array-like.
+        trainable: whether gradients flow to it; default True, but False for ON_READ.
+        synchronization: `VariableSynchronization`.
+        aggregation: `VariableAggregation`.
+        dtype: optional dtype for the value.
+
+    Raises:
+        InvalidArgumentError: `NONE` synchronization under a strategy, or MEAN
+            aggregation of an integer variable.
+
+    Example:
+        >>> import distribute as ds
+        >>> v = ds.Variable(1.0)
+        >>> float(v.assign_add(2.0))
+        3.0
+    """
+    synchronization = VariableSynchronization(synchronization)
+    aggregation = VariableAggregation(aggregation)
+    value = torch.as_tensor(initial_value, dtype=dtype)
+    if dtype is None and not value.is_floating_point() and isinstance(initial_value, float):
+        value = value.to(torch.get_default_dtype())
+    if trainable is None:
+        trainable = synchronization is not VariableSynchronization.ON_READ
+    strategy = context.get_strategy()
+    return strategy.extended._create_variable(
+        value,
+        trainable=trainable,
+        synchronization=synchronization,
+        aggregation=aggregation,
+    )
+
+
+def _capturing_strategy() -> Strategy | None:
+    top = context._top()
+    if top is None or top.replica_context is not None:
+        return None
+    return top.strategy if top.strategy.extended._captures_modules else None
+
+
+def _parameter_hook(
+    module: torch.nn.Module, name: str, param: torch.nn.Parameter | None
+) -> torch.nn.Parameter | None:
+    if param is None or isinstance(param, DistributedVariable):
+        return None
+    strategy = _capturing_strategy()
+    if strategy is None:
+        return None
+    var = strategy.extended._create_variable(
+        param.detach(),
+        trainable=param.requires_grad,
+        synchronization=VariableSynchronization.ON_WRITE,
+        aggregation=VariableAggregation.NONE,
+        is_param=True,
+    )
+    return var  # type: ignore[return-value]  # isinstance(var, Parameter) holds
+
+
+def _buffer_hook(
+    module: torch.nn.Module, name: str, buffer: torch.Tensor | None
+) -> torch.Tensor | None:
+    if buffer is None or isinstance(buffer, DistributedVariable):
+        return None
+    strategy = _capturing_strategy()
+    if strategy is None:
+        return None
+    floating = buffer.is_floating_point()
+    return strategy.extended._create_variable(
+        buffer,
+        trainable=False,
+        synchronization=VariableSynchronization.ON_WRITE,
+        aggregation=VariableAggregation.MEAN if floating else VariableAggregation.ONLY_FIRST_REPLICA,
+        is_buffer=True,
+    )
+
+
+_module.register_module_parameter_registration_hook(_parameter_hook)
+_module.register_module_buffer_registration_hook(_buffer_hook)
