@@ -1,0 +1,31 @@
+"""Shared fixtures: the strategy combinations most tests run under.
+
+Adding a strategy to `STRATEGY_FACTORIES` makes every parametrized test cover it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+import distribute as ds
+
+STRATEGY_FACTORIES: dict[str, Callable[[], ds.Strategy]] = {
+    "default": ds.get_strategy,
+    "one_device": lambda: ds.OneDeviceStrategy("cpu"),
+    "mirrored_1": lambda: ds.MirroredStrategy(["cpu:0"]),
+    "mirrored_4": lambda: ds.MirroredStrategy([f"cpu:{i}" for i in range(4)]),
+    "central_storage": lambda: ds.CentralStorageStrategy(["cpu:0", "cpu:1"]),
+}
+
+
+@pytest.fixture(params=sorted(STRATEGY_FACTORIES))
+def strategy(request: pytest.FixtureRequest) -> ds.Strategy:
+    """Every strategy combination in turn."""
+    return STRATEGY_FACTORIES[request.param]()
+
+
+def per_replica(strategy: ds.Strategy, values: list[object]) -> object:
+    """Wraps one value per local replica the way `run` would return them."""
+    return values[0] if len(values) == 1 else ds.PerReplica(values)
