@@ -70,9 +70,7 @@ class PerReplicaState(collections.defaultdict):  # type: ignore[type-arg]
             collections.defaultdict(dict, existing)
         ]
         for device in ext._devices[1:]:
-            self._replicas.append(
-                collections.defaultdict(dict, _clone_state(existing, device))
-            )
+            self._replicas.append(collections.defaultdict(dict, _clone_state(existing, device)))
 
     def _current(self) -> collections.defaultdict[Any, Any]:
         return self._replicas[_local_replica(self._strategy) or 0]
@@ -143,9 +141,9 @@ class GradientSynchronizer:
 
     def __init__(self, ext: ReplicatedExtended) -> None:
         self._ext_ref = weakref.ref(ext)
-        self._plans: weakref.WeakKeyDictionary[Optimizer, tuple[tuple[int, ...], list[DistributedVariable]]] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._plans: weakref.WeakKeyDictionary[
+            Optimizer, tuple[tuple[int, ...], list[DistributedVariable]]
+        ] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
     @property
@@ -237,7 +235,10 @@ class GradientSynchronizer:
                 members = [indices[k] for k in pack]
                 flats = [
                     torch.cat(
-                        [_flat_grad(per_replica[r][j], variables[j], dtype, devices[r]) for j in members]
+                        [
+                            _flat_grad(per_replica[r][j], variables[j], dtype, devices[r])
+                            for j in members
+                        ]
                     )
                     for r in range(len(per_replica))
                 ]

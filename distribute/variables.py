@@ -406,7 +406,7 @@ def _dispatch(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, A
         return func(*args, **kwargs)
 
 
-def Variable(  # noqa: N802 - tf.Variable's name
+def Variable(
     initial_value: Any,
     trainable: bool | None = None,
     synchronization: VariableSynchronization = VariableSynchronization.AUTO,
@@ -490,7 +490,9 @@ def _buffer_hook(
         buffer,
         trainable=False,
         synchronization=VariableSynchronization.ON_WRITE,
-        aggregation=VariableAggregation.MEAN if floating else VariableAggregation.ONLY_FIRST_REPLICA,
+        aggregation=VariableAggregation.MEAN
+        if floating
+        else VariableAggregation.ONLY_FIRST_REPLICA,
         is_buffer=True,
     )
 

@@ -64,7 +64,9 @@ class CrossDeviceOps:
         (tensor(3.),)
     """
 
-    def reduce(self, reduce_op: ReduceOp | str, per_replica_value: Any, destinations: Any) -> Mirrored:
+    def reduce(
+        self, reduce_op: ReduceOp | str, per_replica_value: Any, destinations: Any
+    ) -> Mirrored:
         """Reduces `per_replica_value` and places the result on `destinations`."""
         return self.batch_reduce(reduce_op, [(per_replica_value, destinations)])[0]
 
@@ -95,7 +97,11 @@ def _reduce_to_one_device(
     for c in components[1:]:
         total += c.detach().to(target)
     if op is ReduceOp.MEAN:
-        total = total / len(components) if total.is_floating_point() else total.double() / len(components)
+        total = (
+            total / len(components)
+            if total.is_floating_point()
+            else total.double() / len(components)
+        )
     return Mirrored([total.to(d, copy=True) for d in devices])
 
 
@@ -132,7 +138,9 @@ def packed_all_reduce(
     if num_packs == 0:
         outs = []
         for j in range(len(per_replica[0])):
-            reduced = _reduce_to_one_device(op, Mirrored([p[j] for p in per_replica]), devices, None)
+            reduced = _reduce_to_one_device(
+                op, Mirrored([p[j] for p in per_replica]), devices, None
+            )
             outs.append(reduced.values)
         return [[outs[j][r] for j in range(len(outs))] for r in range(n)]
     flats = [torch.cat([t.detach().reshape(-1) for t in p]) for p in per_replica]
@@ -145,7 +153,9 @@ def packed_all_reduce(
             if op is ReduceOp.MEAN:
                 outputs = [o / n for o in outputs]
         else:
-            outputs = list(_reduce_to_one_device(op, Mirrored(chunks), [c.device for c in chunks], None).values)
+            outputs = list(
+                _reduce_to_one_device(op, Mirrored(chunks), [c.device for c in chunks], None).values
+            )
         for r in range(n):
             reduced_chunks[r].append(outputs[r])
     results = []

@@ -166,7 +166,9 @@ class ReplicatedExtended(StrategyExtended):
     def _global_id(self, local: int) -> int:
         return self._worker_index * len(self._devices) + local
 
-    def _set_workers(self, worker_index: int, num_workers: int, cross_worker: CrossWorker | None) -> None:
+    def _set_workers(
+        self, worker_index: int, num_workers: int, cross_worker: CrossWorker | None
+    ) -> None:
         self._worker_index = worker_index
         self._num_workers = num_workers
         self._cross_worker = cross_worker
@@ -313,7 +315,11 @@ class ReplicatedExtended(StrategyExtended):
             is_buffer=is_buffer,
             alias_components=self._central and sync is VariableSynchronization.ON_WRITE,
         )
-        if self._num_workers > 1 and self._cross_worker is not None and sync is not VariableSynchronization.ON_READ:
+        if (
+            self._num_workers > 1
+            and self._cross_worker is not None
+            and sync is not VariableSynchronization.ON_READ
+        ):
             self._broadcast_initial_value(var)
         self._variables.add(var)
         return var
@@ -341,7 +347,9 @@ class ReplicatedExtended(StrategyExtended):
             return first
         total = _sum_to(components, self._devices[0])
         if self._cross_worker is not None:
-            total = self._cross_worker.all_reduce([total], ReduceOp.SUM, name="SyncOnReadVariable read")[0]
+            total = self._cross_worker.all_reduce(
+                [total], ReduceOp.SUM, name="SyncOnReadVariable read"
+            )[0]
         if aggregation is VariableAggregation.MEAN:
             total = total / self._num_replicas_in_sync()
         return total
@@ -368,7 +376,8 @@ class ReplicatedExtended(StrategyExtended):
     ) -> Any:
         if not self.variable_created_in_scope(var):
             raise InvalidArgumentError(
-                f"update() needs a variable of {self._container_strategy!r}, got {type(var).__name__}"
+                f"update() needs a variable of {self._container_strategy!r}, got "
+                f"{type(var).__name__}"
             )
         kwargs = kwargs or {}
         results = []
@@ -376,7 +385,9 @@ class ReplicatedExtended(StrategyExtended):
         with torch.no_grad():
             for i in range(n):
                 component = var._plain_component(i)
-                results.append(fn(component, *select_replica(i, tuple(args)), **select_replica(i, kwargs)))
+                results.append(
+                    fn(component, *select_replica(i, tuple(args)), **select_replica(i, kwargs))
+                )
         var._mark_synced()
         if not group:
             return tuple(results)
@@ -394,7 +405,9 @@ class ReplicatedExtended(StrategyExtended):
         def checked(entries: list[tuple[str, Any]]) -> Any:
             kinds = {k for k, _ in entries}
             if len(kinds) > 1:
-                described = ", ".join(f"replica {self._global_id(i)}: {k}" for i, (k, _) in enumerate(entries))
+                described = ", ".join(
+                    f"replica {self._global_id(i)}: {k}" for i, (k, _) in enumerate(entries)
+                )
                 raise ContextError(
                     f"replicas called different collectives at the same point ({described}); "
                     "every replica must make the same collective calls in the same order"
@@ -410,20 +423,47 @@ class ReplicatedExtended(StrategyExtended):
 
         def combine(per_replica: list[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
             self._check_same_signatures(name, per_replica)
-            totals = [
-                _sum_to([p[j] for p in per_replica], self._devices[0])
-                for j in range(len(per_replica[0]))
-            ]
-            if self._cross_worker is not None:
-                totals = self._cross_worker.all_reduce(totals, ReduceOp.SUM, name=name)
-            if op is ReduceOp.MEAN:
-                n = self._num_replicas_in_sync()
-                totals = [t / n if t.is_floating_point() else t.double() / n for t in totals]
-            return [[t.to(d, copy=True) for t in totals] for d in self._devices]
+            return self._packed_sum(per_replica, op, name)
 
         detached = [t.detach() for t in tensors]
-        per_replica_results: list[list[torch.Tensor]] = self._exchange(local, f"all_reduce {name}", detached, combine)
+        per_replica_results: list[list[torch.Tensor]] = self._exchange(
+            local, f"all_reduce {name}", detached, combine
+        )
         return per_replica_results[local]
+
+    def _packed_sum(
+        self, per_replica: Sequence[Sequence[torch.Tensor]], op: ReduceOp, name: str
+    ) -> list[list[torch.Tensor]]:
+        """Sums tensor lists over every replica, packed into one flat buffer per dtype.
+
+        Returns one list of result tensors per local replica, on its device.
+        """
+        first = per_replica[0]
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for j, t in enumerate(first):
+            by_dtype.setdefault(t.dtype, []).append(j)
+        groups = list(by_dtype.values())
+        totals = []
+        for indices in groups:
+            flats = [_flatten([p[j] for j in indices]) for p in per_replica]
+            totals.append(_sum_to(flats, self._devices[0]))
+        if self._cross_worker is not None:
+            totals = self._cross_worker.all_reduce(totals, ReduceOp.SUM, name=name)
+        if op is ReduceOp.MEAN:
+            n = self._num_replicas_in_sync()
+            totals = [t / n if t.is_floating_point() else t.double() / n for t in totals]
+        results: list[list[torch.Tensor]] = []
+        for device in self._devices:
+            out: list[torch.Tensor] = [first[0]] * len(first)
+            for indices, total in zip(groups, totals):
+                flat = total.to(device, copy=True)
+                offset = 0
+                for j in indices:
+                    numel = first[j].numel()
+                    out[j] = flat[offset : offset + numel].view(first[j].shape)
+                    offset += numel
+            results.append(out)
+        return results
 
     def _check_same_signatures(self, name: str, per_replica: list[Sequence[torch.Tensor]]) -> None:
         signatures = [[(t.dtype, tuple(t.shape)) for t in p] for p in per_replica]
@@ -431,7 +471,8 @@ class ReplicatedExtended(StrategyExtended):
             if sig != signatures[0]:
                 raise CollectiveMismatchError(
                     f"{name}: replica {self._global_id(0)} passed {_describe(signatures[0])} but "
-                    f"replica {self._global_id(i)} passed {_describe(sig)}; every replica must pass "
+                    f"replica {self._global_id(i)} passed {_describe(sig)}; every replica "
+                    "must pass "
                     "the same structure, shapes and dtypes"
                 )
 
@@ -470,7 +511,9 @@ class ReplicatedExtended(StrategyExtended):
                 gathered = self._cross_worker.all_gather(gathered, axis, name=name)
             return [(gathered.to(d, copy=True), sizes) for d in self._devices]
 
-        results: list[tuple[torch.Tensor, list[int]]] = self._exchange(local, name, tensor.detach(), combine)
+        results: list[tuple[torch.Tensor, list[int]]] = self._exchange(
+            local, name, tensor.detach(), combine
+        )
         return results[local]
 
     def _replica_merge_call(
@@ -521,7 +564,9 @@ class ReplicatedExtended(StrategyExtended):
     def _reduce(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
         if isinstance(value, DistributedVariable):
             return self._reduce_leaf(op, value, axis)
-        return pack_sequence_as(value, [self._reduce_leaf(op, leaf, axis) for leaf in flatten(value)])
+        return pack_sequence_as(
+            value, [self._reduce_leaf(op, leaf, axis) for leaf in flatten(value)]
+        )
 
     def _reduce_leaf(self, op: ReduceOp, leaf: Any, axis: int | None) -> Any:
         components = self._components(leaf)
@@ -664,6 +709,12 @@ def _sum_to(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tens
     return total
 
 
+def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    if len(tensors) == 1:
+        return tensors[0].detach().reshape(-1)
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
 def _describe(signature: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> str:
     return "[" + ", ".join(f"{str(d).removeprefix('torch.')}{list(s)}" for d, s in signature) + "]"
 
@@ -692,7 +743,8 @@ def _check_gatherable(
     for i, t in enumerate(tensors[1:], start=1):
         if others(t) != reference or t.dim() != tensors[0].dim():
             raise CollectiveMismatchError(
-                f"{what}: replica {global_id(0)} has {tensors[0].dtype}{list(tensors[0].shape)} but "
+                f"{what}: replica {global_id(0)} has "
+                f"{tensors[0].dtype}{list(tensors[0].shape)} but "
                 f"replica {global_id(i)} has {t.dtype}{list(t.shape)}; shapes may differ only "
                 f"along axis {axis}"
             )
@@ -704,7 +756,9 @@ def _place(value: torch.Tensor, destinations: Any) -> Any:
     if isinstance(destinations, DistributedVariable):
         return Mirrored([value.to(c.device, copy=True) for c in destinations.values])
     if isinstance(destinations, DistributedValues):
-        return Mirrored([value.to(torch.as_tensor(c).device, copy=True) for c in destinations.values])
+        return Mirrored(
+            [value.to(torch.as_tensor(c).device, copy=True) for c in destinations.values]
+        )
     if isinstance(destinations, torch.Tensor):
         return value.to(destinations.device)
     return value.to(parse_device(destinations)[1])
@@ -715,7 +769,12 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, ext: ReplicatedExtended, local: int, op: ReduceOp, name: str, *tensors: torch.Tensor
+        ctx: Any,
+        ext: ReplicatedExtended,
+        local: int,
+        op: ReduceOp,
+        name: str,
+        *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         ctx.ext, ctx.local, ctx.op, ctx.name = ext, local, op, name
         return tuple(ext._all_reduce_tensors(local, op, tensors, name))
@@ -742,6 +801,8 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         ext: ReplicatedExtended = ctx.ext
-        summed = ext._all_reduce_tensors(ctx.local, ReduceOp.SUM, [grad], "all_gather (backward)")[0]
+        summed = ext._all_reduce_tensors(ctx.local, ReduceOp.SUM, [grad], "all_gather (backward)")[
+            0
+        ]
         offset = sum(ctx.sizes[: ctx.global_id])
         return (None, None, None, summed.narrow(ctx.axis, offset, ctx.sizes[ctx.global_id]))

@@ -70,7 +70,9 @@ class StrategyExtended:
         """Runs `fn` once per local replica in replica context (what `run` does)."""
         raise NotImplementedError
 
-    def colocate_vars_with(self, colocate_with_variable: Any) -> contextlib.AbstractContextManager[None]:
+    def colocate_vars_with(
+        self, colocate_with_variable: Any
+    ) -> contextlib.AbstractContextManager[None]:
         """A scope in which new variables are placed like `colocate_with_variable`."""
         raise NotImplementedError
 
@@ -309,7 +311,9 @@ class Strategy:
         """
         return self._extended._local_results(value)
 
-    def experimental_distribute_dataset(self, dataset: Any, options: InputOptions | None = None) -> Any:
+    def experimental_distribute_dataset(
+        self, dataset: Any, options: InputOptions | None = None
+    ) -> Any:
         """Distributes a DataLoader (or iterable of global batches) over the replicas.
 
         Each step yields the global batch split per replica (see `ds.data`).

@@ -43,7 +43,9 @@ class CentralStorageStrategy(Strategy):
         compute_devices: Sequence[str | torch.device] | None = None,
         parameter_device: str | torch.device | None = None,
     ) -> None:
-        devices = [str(d) for d in (compute_devices if compute_devices is not None else default_devices())]
+        devices = [
+            str(d) for d in (compute_devices if compute_devices is not None else default_devices())
+        ]
         parameter = parse_device(parameter_device or "cpu")[1]
         placed = {parse_device(d)[1] for d in devices}
         if placed != {parameter}:

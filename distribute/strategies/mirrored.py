@@ -47,9 +47,7 @@ class MirroredStrategy(Strategy):
         cross_device_ops: CrossDeviceOps | None = None,
     ) -> None:
         self._devices = [str(d) for d in (devices if devices is not None else default_devices())]
-        super().__init__(
-            ReplicatedExtended(self, self._devices, cross_device_ops=cross_device_ops)
-        )
+        super().__init__(ReplicatedExtended(self, self._devices, cross_device_ops=cross_device_ops))
 
     def __repr__(self) -> str:
         return f"MirroredStrategy(devices={self._devices})"
