@@ -21,7 +21,7 @@ Example:
 
 from __future__ import annotations
 
-from distribute import errors, experimental, values
+from distribute import cluster_resolver, data, errors, experimental, values
 from distribute._enums import ReduceOp, VariableAggregation, VariableSynchronization
 from distribute.collectives.cross_device_ops import (
     CrossDeviceOps,
@@ -37,6 +37,13 @@ from distribute.context import (
     has_strategy,
     in_cross_replica_context,
 )
+from distribute.data.dataset import DistributedDataset, DistributedIterator
+from distribute.data.options import (
+    AutoShardPolicy,
+    InputContext,
+    InputOptions,
+    InputReplicationMode,
+)
 from distribute.losses import compute_average_loss, scale_regularization_loss
 from distribute.strategies.base import Strategy, StrategyExtended
 from distribute.strategies.central_storage import CentralStorageStrategy
@@ -51,11 +58,17 @@ from distribute.variables import (
 )
 
 __all__ = [
+    "AutoShardPolicy",
     "CentralStorageStrategy",
     "CrossDeviceOps",
+    "DistributedDataset",
+    "DistributedIterator",
     "DistributedValues",
     "DistributedVariable",
     "HierarchicalCopyAllReduce",
+    "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
     "Mirrored",
     "MirroredStrategy",
     "MirroredVariable",
@@ -71,7 +84,9 @@ __all__ = [
     "Variable",
     "VariableAggregation",
     "VariableSynchronization",
+    "cluster_resolver",
     "compute_average_loss",
+    "data",
     "errors",
     "experimental",
     "experimental_set_strategy",

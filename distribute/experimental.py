@@ -5,9 +5,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from distribute.data.options import ValueContext
 from distribute.errors import InvalidArgumentError
 
-__all__ = ["CommunicationImplementation", "CommunicationOptions"]
+__all__ = ["CommunicationImplementation", "CommunicationOptions", "ValueContext"]
 
 
 class CommunicationImplementation(enum.Enum):
@@ -51,6 +52,4 @@ class CommunicationOptions:
             raise InvalidArgumentError(
                 f"timeout_seconds must be positive or None, got {self.timeout_seconds}"
             )
-        object.__setattr__(
-            self, "implementation", CommunicationImplementation(self.implementation)
-        )
+        object.__setattr__(self, "implementation", CommunicationImplementation(self.implementation))

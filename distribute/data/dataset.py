@@ -1,0 +1,902 @@
+"""Distributed datasets: global batches split per replica, sharded per worker.
+
+What each replica receives, for a DataLoader batched with the global batch size
+``G`` over ``N = num_workers * local_replicas`` replicas: the replicas split
+every global batch by the ceil-then-floor rule of :mod:`distribute.data.sharding`,
+each element going to exactly one replica. With 2 replicas and ``range(9)`` in
+batches of 4 the steps are ``[0, 1] / [2, 3]``, ``[4, 5] / [6, 7]`` and
+``[8] / []``: a replica whose data has run out gets an empty batch (batch
+dimension 0, the other dimensions and the dtype of the data) for as long as any
+other replica still has data, then the iterator ends for every replica at once.
+
+Across workers (``AutoShardPolicy``): DATA rewraps the DataLoader's batch sampler
+so that each worker loads only its own block of every global batch; FILE gives
+each worker every ``num_workers``-th file of a dataset exposing ``files`` and
+``with_files(files)``; an ``IterableDataset`` is sharded by element; OFF gives
+every worker all the data.
+
+Example::
+
+    >>> import torch, distribute as ds
+    >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    >>> loader = torch.utils.data.DataLoader(torch.arange(9), batch_size=4)
+    >>> dist = strategy.experimental_distribute_dataset(loader)
+    >>> [[t.tolist() for t in strategy.experimental_local_results(b)] for b in dist]
+    [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8], []]]
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
+from torch.utils.data.distributed import DistributedSampler
+
+from distribute import context
+from distribute.data import sharding
+from distribute.data.options import (
+    AutoShardPolicy,
+    InputContext,
+    InputOptions,
+    InputReplicationMode,
+)
+from distribute.errors import InvalidArgumentError
+from distribute.values import PerReplica, flatten, pack_sequence_as, regroup
+
+__all__ = [
+    "DistributedDataset",
+    "DistributedDatasetsFromFunction",
+    "DistributedIterator",
+    "FileShardable",
+    "InputWorkers",
+    "OptionalValue",
+    "TensorSpec",
+    "make_numpy_dataset",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def _identity(n: int) -> int:
+    return n
+
+
+@dataclass(frozen=True)
+class InputWorkers:
+    """The devices of this worker's replicas and this worker's place among workers.
+
+    Args:
+      devices: one device per local replica.
+      worker_index: this worker's index.
+      num_workers: how many workers read input.
+      sum_across_workers: sums an int over all workers; the end-of-data
+        agreement calls it once per step (an all-reduce across processes,
+        the identity in one process).
+    """
+
+    devices: tuple[torch.device, ...]
+    worker_index: int = 0
+    num_workers: int = 1
+    sum_across_workers: Callable[[int], int] = field(default=_identity, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", tuple(torch.device(d) for d in self.devices))
+        if not self.devices:
+            raise InvalidArgumentError("InputWorkers needs at least one device.")
+        if not 0 <= self.worker_index < self.num_workers:
+            raise InvalidArgumentError(
+                f"worker_index must be in [0, num_workers={self.num_workers}), got "
+                f"{self.worker_index}."
+            )
+
+    @property
+    def local_replicas(self) -> int:
+        return len(self.devices)
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.num_workers * len(self.devices)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one tensor of a step's per-replica element.
+
+    ``None`` in ``shape`` marks a dimension that can vary (the batch dimension
+    when partial batches are possible).
+    """
+
+    shape: tuple[int | None, ...]
+    dtype: torch.dtype
+
+
+@runtime_checkable
+class FileShardable(Protocol):
+    """A dataset FILE auto-sharding can split: it reads ``files`` and can be narrowed.
+
+    Example::
+
+        class Shards(torch.utils.data.IterableDataset):
+            def __init__(self, files): self.files = list(files)
+            def with_files(self, files): return Shards(files)
+            def __iter__(self): ...
+    """
+
+    files: Sequence[Any]
+
+    def with_files(self, files: Sequence[Any]) -> Any: ...
+
+
+class OptionalValue:
+    """A step's element that may be absent, from `get_next_as_optional`.
+
+    Example::
+
+        >>> opt = OptionalValue(None, has_value=False)
+        >>> opt.has_value()
+        False
+    """
+
+    def __init__(self, value: Any, *, has_value: bool) -> None:
+        self._value = value
+        self._has_value = has_value
+
+    def has_value(self) -> bool:
+        """Whether the iterator produced an element."""
+        return self._has_value
+
+    def get_value(self) -> Any:
+        """The element.
+
+        Raises:
+          ValueError: when there is none (the iterator was exhausted).
+        """
+        if not self._has_value:
+            raise InvalidArgumentError(
+                "get_value() on an empty OptionalValue: the iterator was exhausted; check "
+                "has_value() first."
+            )
+        return self._value
+
+
+# -- nest helpers for batches -----------------------------------------------------------
+
+
+def _as_tensor_leaf(leaf: Any) -> Any:
+    if isinstance(leaf, np.ndarray):
+        return torch.from_numpy(leaf)
+    return leaf
+
+
+def _batch_len(batch: Any) -> int:
+    lengths = {t.shape[0] for t in flatten(batch) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if not lengths:
+        raise InvalidArgumentError(
+            "A batch needs at least one tensor (or NumPy array) with a batch dimension to be "
+            f"split across replicas; got {_describe(batch)}."
+        )
+    if len(lengths) > 1:
+        raise InvalidArgumentError(
+            f"The tensors of a batch must share their first (batch) dimension; got sizes "
+            f"{sorted(lengths)} in {_describe(batch)}."
+        )
+    return lengths.pop()
+
+
+def _describe(batch: Any) -> str:
+    leaves = flatten(batch)
+    parts = [
+        f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}"
+        if isinstance(x, torch.Tensor)
+        else type(x).__name__
+        for x in leaves[:6]
+    ]
+    more = ", ..." if len(leaves) > 6 else ""
+    return f"{type(batch).__name__}({', '.join(parts)}{more})"
+
+
+def _normalize(batch: Any) -> Any:
+    leaves = flatten(batch)
+    if not any(isinstance(x, np.ndarray) for x in leaves):
+        return batch
+    return pack_sequence_as(batch, [_as_tensor_leaf(x) for x in leaves])
+
+
+def _slice(batch: Any, start: int, stop: int) -> Any:
+    leaves = flatten(batch)
+    return pack_sequence_as(
+        batch, [x[start:stop] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in leaves]
+    )
+
+
+def _split(batch: Any, sizes: Sequence[int]) -> list[Any]:
+    if len(sizes) == 1:
+        return [batch]
+    leaves = flatten(batch)
+    columns = [
+        list(torch.split(x, list(sizes)))
+        if isinstance(x, torch.Tensor) and x.dim() > 0
+        else [x] * len(sizes)
+        for x in leaves
+    ]
+    return [pack_sequence_as(batch, [column[r] for column in columns]) for r in range(len(sizes))]
+
+
+def _empty_like(batch: Any) -> Any:
+    return _slice(batch, 0, 0)
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    leaves = flatten(batch)
+    if not any(isinstance(x, torch.Tensor) and x.device != device for x in leaves):
+        return batch
+    moved = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor) and x.device != device:
+            if device.type == "cuda" and x.device.type == "cpu":
+                x = x.pin_memory().to(device, non_blocking=True)
+            else:
+                x = x.to(device)
+        moved.append(x)
+    return pack_sequence_as(batch, moved)
+
+
+def _spec(batch: Any, batch_dim: int | None) -> Any:
+    leaves = flatten(batch)
+    specs = [
+        TensorSpec((batch_dim, *x.shape[1:]) if x.dim() > 0 else (), x.dtype)
+        if isinstance(x, torch.Tensor)
+        else x
+        for x in leaves
+    ]
+    return pack_sequence_as(batch, specs)
+
+
+def _check_not_in_replica_context(what: str) -> None:
+    top = context._top()
+    if top is not None and top.replica_context is not None:
+        raise InvalidArgumentError(
+            f"{what} was called inside a replica function (strategy.run). Iterators are advanced "
+            "in cross-replica context: call next(iterator) outside run and pass the batch in, "
+            "e.g. strategy.run(step, args=(next(iterator),))."
+        )
+
+
+# -- epoch-aware, worker-aware samplers -------------------------------------------------
+
+
+class _SeededRandomSampler(Sampler[int]):
+    """A RandomSampler whose order is a function of (seed, epoch) only.
+
+    Every worker builds the same order for the same epoch, which DATA sharding by
+    batch sampler needs; each epoch gets a distinct order.
+    """
+
+    def __init__(self, original: RandomSampler, seed: int) -> None:
+        self._original = original
+        self._seed = seed
+        self._epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+
+    def __len__(self) -> int:
+        return self._original.num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator()
+        generator.manual_seed(self._seed + self._epoch)
+        n = len(self._original.data_source)  # type: ignore[arg-type]  # map-style data sources are sized
+        num_samples = self._original.num_samples
+        if self._original.replacement:
+            yield from torch.randint(n, (num_samples,), generator=generator).tolist()
+            return
+        for _ in range(num_samples // n):
+            yield from torch.randperm(n, generator=generator).tolist()
+        yield from torch.randperm(n, generator=generator)[: num_samples % n].tolist()
+
+
+class _WorkerBatchSampler(Sampler[list[int]]):
+    """Yields, for each global batch of indices, this worker's block of it.
+
+    A worker whose block of the (partial) last batch is empty stops early; the
+    end-of-data agreement gives its replicas empty batches.
+    """
+
+    def __init__(self, batch_sampler: Iterable[list[int]], workers: InputWorkers) -> None:
+        self._inner = batch_sampler
+        self._workers = workers
+
+    def set_epoch(self, epoch: int) -> None:
+        _set_epoch(self._inner, epoch)
+
+    def __len__(self) -> int:
+        return len(self._inner)  # type: ignore[arg-type]  # DataLoader batch samplers are sized
+
+    def __iter__(self) -> Iterator[list[int]]:
+        w = self._workers
+        for indices in self._inner:
+            indices = list(indices)
+            start, stop = sharding.worker_slice(
+                len(indices),
+                num_workers=w.num_workers,
+                local_replicas=w.local_replicas,
+                worker_index=w.worker_index,
+            )
+            if start == stop:
+                return
+            yield indices[start:stop]
+
+
+class _WorkerBlockIterable(IterableDataset[Any]):
+    """Shards an IterableDataset by element: this worker's block of each global batch."""
+
+    def __init__(
+        self,
+        dataset: IterableDataset[Any],
+        global_batch: int,
+        drop_last: bool,
+        collate_fn: Callable[[list[Any]], Any],
+        workers: InputWorkers,
+    ) -> None:
+        self._dataset = dataset
+        self._global_batch = global_batch
+        self._drop_last = drop_last
+        self._collate = collate_fn
+        self._workers = workers
+
+    def __iter__(self) -> Iterator[Any]:
+        w = self._workers
+        chunk: list[Any] = []
+        for element in self._dataset:
+            chunk.append(element)
+            if len(chunk) == self._global_batch:
+                yield self._block(chunk)
+                chunk = []
+        if chunk and not self._drop_last:
+            start, stop = sharding.worker_slice(
+                len(chunk),
+                num_workers=w.num_workers,
+                local_replicas=w.local_replicas,
+                worker_index=w.worker_index,
+            )
+            if start < stop:
+                yield self._collate(chunk[start:stop])
+
+    def _block(self, chunk: list[Any]) -> Any:
+        w = self._workers
+        start, stop = sharding.worker_slice(
+            len(chunk),
+            num_workers=w.num_workers,
+            local_replicas=w.local_replicas,
+            worker_index=w.worker_index,
+        )
+        return self._collate(chunk[start:stop])
+
+
+def _set_epoch(obj: Any, epoch: int) -> None:
+    set_epoch = getattr(obj, "set_epoch", None)
+    if callable(set_epoch):
+        set_epoch(epoch)
+
+
+def _rebuild_loader(loader: DataLoader[Any], **overrides: Any) -> DataLoader[Any]:
+    """A DataLoader with `loader`'s settings and some replaced."""
+    settings: dict[str, Any] = {
+        "dataset": loader.dataset,
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "persistent_workers": loader.persistent_workers,
+    }
+    if loader.num_workers > 0:
+        settings["prefetch_factor"] = loader.prefetch_factor
+    settings.update(overrides)
+    return DataLoader(**settings)
+
+
+# -- sources: what one worker reads -----------------------------------------------------
+
+
+class _Source:
+    """One worker's stream of worker batches (its replicas' data, concatenated)."""
+
+    def __init__(
+        self, iterable: Iterable[Any], *, slice_global: bool, epoch_targets: Sequence[Any]
+    ) -> None:
+        self.iterable = iterable
+        self.slice_global = (
+            slice_global  # the stream holds global batches: keep this worker's block
+        )
+        self.epoch_targets = epoch_targets
+
+    def batches(self, epoch: int) -> Iterator[Any]:
+        for target in self.epoch_targets:
+            _set_epoch(target, epoch)
+        return iter(self.iterable)
+
+
+def _agree_seed(workers: InputWorkers, seed: int) -> int:
+    """Worker 0's seed, agreed with one sum across workers."""
+    if workers.num_workers == 1:
+        return seed
+    return workers.sum_across_workers(seed if workers.worker_index == 0 else 0)
+
+
+def _loader_source(
+    loader: DataLoader[Any], workers: InputWorkers, policy: AutoShardPolicy
+) -> _Source:
+    multi = workers.num_workers > 1
+    dataset = loader.dataset
+    if (
+        multi
+        and policy in (AutoShardPolicy.FILE, AutoShardPolicy.AUTO)
+        and isinstance(dataset, FileShardable)
+    ):
+        files = list(dataset.files)
+        if len(files) >= workers.num_workers or policy is AutoShardPolicy.FILE:
+            mine = sharding.shard_files(
+                len(files), num_workers=workers.num_workers, worker_index=workers.worker_index
+            )
+            narrowed = dataset.with_files([files[i] for i in mine])
+            batch = loader.batch_size
+            if batch is None:
+                raise InvalidArgumentError(
+                    "FILE auto-sharding needs a DataLoader with batch_size set (the global "
+                    "batch size)."
+                )
+            sizes = sharding.split_sizes(batch, workers.num_workers)
+            local_batch = sizes[workers.worker_index]
+            overrides: dict[str, Any] = {
+                "dataset": narrowed,
+                "batch_size": local_batch,
+                "drop_last": loader.drop_last,
+            }
+            if not isinstance(narrowed, IterableDataset):
+                overrides["shuffle"] = isinstance(loader.sampler, RandomSampler)
+            rebuilt = _rebuild_loader(loader, **overrides)
+            return _Source(rebuilt, slice_global=False, epoch_targets=[rebuilt.sampler])
+        logger.warning(
+            "AUTO sharding: %d files for %d workers, falling back to DATA sharding.",
+            len(files),
+            workers.num_workers,
+        )
+    if isinstance(loader.sampler, DistributedSampler):
+        logger.info("The DataLoader already uses a DistributedSampler: not sharding it again.")
+        return _Source(loader, slice_global=False, epoch_targets=[loader.sampler])
+    if isinstance(dataset, IterableDataset):
+        if multi and policy is not AutoShardPolicy.OFF and loader.batch_size is not None:
+            block = _WorkerBlockIterable(
+                dataset, loader.batch_size, loader.drop_last, loader.collate_fn, workers
+            )
+            return _Source(
+                _rebuild_loader(loader, dataset=block, batch_size=None),
+                slice_global=False,
+                epoch_targets=[dataset],
+            )
+        return _Source(
+            loader,
+            slice_global=multi and policy is not AutoShardPolicy.OFF,
+            epoch_targets=[dataset],
+        )
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is None:
+        # The loader yields whatever its dataset items are: treat them as global batches.
+        return _Source(
+            loader,
+            slice_global=multi and policy is not AutoShardPolicy.OFF,
+            epoch_targets=[loader.sampler],
+        )
+    if (
+        multi
+        and type(batch_sampler) is BatchSampler
+        and isinstance(batch_sampler.sampler, RandomSampler)
+        and policy is not AutoShardPolicy.OFF
+    ):
+        sampler = batch_sampler.sampler
+        seed = (
+            sampler.generator.initial_seed()
+            if sampler.generator is not None
+            else torch.initial_seed()
+        )
+        seeded = _SeededRandomSampler(sampler, _agree_seed(workers, seed % (1 << 62)))
+        batch_sampler = BatchSampler(seeded, batch_sampler.batch_size, batch_sampler.drop_last)
+    if multi and policy is not AutoShardPolicy.OFF:
+        wrapped = _WorkerBatchSampler(batch_sampler, workers)
+        rebuilt = _rebuild_loader(loader, batch_sampler=wrapped)
+        return _Source(rebuilt, slice_global=False, epoch_targets=[wrapped])
+    return _Source(loader, slice_global=False, epoch_targets=[batch_sampler, loader.sampler])
+
+
+def _make_source(dataset: Any, workers: InputWorkers, policy: AutoShardPolicy) -> _Source:
+    if isinstance(dataset, DataLoader):
+        return _loader_source(dataset, workers, policy)
+    if isinstance(dataset, torch.utils.data.Dataset):
+        raise InvalidArgumentError(
+            f"experimental_distribute_dataset got a {type(dataset).__name__} (a Dataset of single "
+            "examples); wrap it in a DataLoader batched with the GLOBAL batch size, e.g. "
+            "DataLoader(dataset, batch_size=global_batch_size), or use ds.data.make_numpy_dataset."
+        )
+    if isinstance(dataset, (torch.Tensor, np.ndarray)) or not isinstance(dataset, Iterable):
+        raise InvalidArgumentError(
+            f"experimental_distribute_dataset needs a DataLoader or an iterable of batches, got "
+            f"{type(dataset).__name__}. For arrays use ds.data.make_numpy_dataset(arrays, "
+            "batch_size)."
+        )
+    multi = workers.num_workers > 1 and policy is not AutoShardPolicy.OFF
+    return _Source(dataset, slice_global=multi, epoch_targets=[dataset])
+
+
+# -- iterators --------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+class DistributedIterator:
+    """Iterates a distributed dataset one step at a time.
+
+    Each step is a nest whose leaves are `PerReplica` (plain values with one
+    local replica). ``next`` must be called in cross-replica context.
+
+    Example::
+
+        >>> import torch, distribute as ds
+        >>> it = iter(ds.OneDeviceStrategy("cpu").experimental_distribute_dataset([torch.ones(2)]))
+        >>> it.get_next_as_optional().has_value()
+        True
+        >>> it.get_next_as_optional().has_value()
+        False
+    """
+
+    def __init__(
+        self,
+        pull: Callable[[], list[Any]],
+        workers: InputWorkers,
+        options: InputOptions,
+        template: Callable[[], Any],
+        spec_batch_dim: int | None,
+        prefetch: bool,
+    ) -> None:
+        self._pull = pull
+        self._workers = workers
+        self._options = options
+        self._template_fn = template
+        self._template: Any = _MISSING
+        self._spec_batch_dim = spec_batch_dim
+        self._buffer: collections.deque[list[Any]] = collections.deque()
+        self._depth = options.experimental_per_replica_buffer_size if prefetch else 0
+        self._done = False
+        self._element_spec: Any = None
+
+    def __iter__(self) -> DistributedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        _check_not_in_replica_context("next(iterator)")
+        if not self._buffer:
+            step = self._prepare()
+            if step is None:
+                raise StopIteration
+            self._buffer.append(step)
+        step = self._buffer.popleft()
+        while len(self._buffer) < self._depth:
+            ahead = self._prepare()
+            if ahead is None:
+                break
+            self._buffer.append(ahead)
+        return self._wrap(step)
+
+    def get_next(self) -> Any:
+        """The next step's element; raises `StopIteration` at the end of data."""
+        return next(self)
+
+    def get_next_as_optional(self) -> OptionalValue:
+        """The next step's element as an `OptionalValue`, empty at the end of data."""
+        try:
+            return OptionalValue(next(self), has_value=True)
+        except StopIteration:
+            return OptionalValue(None, has_value=False)
+
+    @property
+    def element_spec(self) -> Any:
+        """`TensorSpec` nest of one replica's element (known after the first step)."""
+        if self._element_spec is None:
+            self._element_spec = _spec(self._empty_template(), self._spec_batch_dim)
+        return self._element_spec
+
+    def _empty_template(self) -> Any:
+        if self._template is _MISSING:
+            self._template = _empty_like(self._template_fn())
+        return self._template
+
+    def _prepare(self) -> list[Any] | None:
+        if self._done:
+            return None
+        pieces = self._pull()
+        have = sum(p is not _MISSING for p in pieces)
+        total = self._workers.sum_across_workers(have)
+        if total == 0:
+            self._done = True
+            return None
+        for p in pieces:
+            if p is not _MISSING and self._template is _MISSING:
+                self._template = _empty_like(p)
+        pieces = [self._empty_template() if p is _MISSING else p for p in pieces]
+        if self._options.experimental_fetch_to_device:
+            pieces = [_to_device(p, d) for p, d in zip(pieces, self._workers.devices)]
+        return pieces
+
+    def _wrap(self, pieces: list[Any]) -> Any:
+        if len(pieces) == 1:
+            return pieces[0]
+        return regroup(pieces, PerReplica)
+
+
+class DistributedDataset:
+    """A dataset whose every step is split across the strategy's replicas.
+
+    Made by ``strategy.experimental_distribute_dataset(dataset, options)``.
+    Iterating it again starts a new epoch (samplers get ``set_epoch(epoch)``).
+
+    Example::
+
+        >>> import torch, distribute as ds
+        >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> loader = torch.utils.data.DataLoader(torch.arange(100), batch_size=10)
+        >>> first = next(iter(strategy.experimental_distribute_dataset(loader)))
+        >>> [t.tolist() for t in first.values]
+        [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    """
+
+    def __init__(
+        self, dataset: Any, input_workers: InputWorkers, options: InputOptions | None = None
+    ) -> None:
+        options = InputOptions() if options is None else options
+        if options.experimental_replication_mode is not InputReplicationMode.PER_WORKER:
+            raise InvalidArgumentError(
+                "InputReplicationMode.PER_REPLICA works only with "
+                "strategy.distribute_datasets_from_function; "
+                "experimental_distribute_dataset splits each worker's batches itself."
+            )
+        self._workers = input_workers
+        self._options = options
+        self._dataset = dataset
+        self._source = _make_source(dataset, input_workers, options.auto_shard_policy)
+        self._epoch = -1
+
+    def __iter__(self) -> DistributedIterator:
+        self._epoch += 1
+        batches = self._source.batches(self._epoch)
+        workers = self._workers
+        slice_global = self._source.slice_global
+        exhausted = False
+
+        def pull() -> list[Any]:
+            nonlocal exhausted
+            missing = [_MISSING] * workers.local_replicas
+            while not exhausted:
+                try:
+                    batch = _normalize(next(batches))
+                except StopIteration:
+                    exhausted = True
+                    break
+                if slice_global:
+                    start, stop = sharding.worker_slice(
+                        _batch_len(batch),
+                        num_workers=workers.num_workers,
+                        local_replicas=workers.local_replicas,
+                        worker_index=workers.worker_index,
+                    )
+                    batch = _slice(batch, start, stop)
+                if workers.local_replicas == 1:
+                    return [batch]
+                return _split(
+                    batch, sharding.split_sizes(_batch_len(batch), workers.local_replicas)
+                )
+            return missing
+
+        return DistributedIterator(
+            pull, workers, self._options, self._peek, self._batch_dim(), prefetch=True
+        )
+
+    def _batch_dim(self) -> int | None:
+        loader = self._dataset
+        if isinstance(loader, DataLoader) and loader.drop_last and loader.batch_size is not None:
+            n = self._workers.num_replicas_in_sync
+            if loader.batch_size % n == 0 and not isinstance(loader.dataset, FileShardable):
+                return loader.batch_size // n
+        return None
+
+    def _peek(self) -> Any:
+        """One replica's element, read without the end-of-data agreement."""
+        if isinstance(self._dataset, DataLoader) and not isinstance(
+            self._dataset.dataset, IterableDataset
+        ):
+            loader = self._dataset
+            if loader.batch_size is not None and len(loader.dataset) > 0:  # type: ignore[arg-type]
+                return _normalize(loader.collate_fn([loader.dataset[0]]))
+        for batch in self._source.iterable:
+            return _normalize(batch)
+        raise InvalidArgumentError(
+            f"Worker {self._workers.worker_index} has no data to infer the element structure "
+            "from: the "
+            "dataset is empty, or has fewer elements than workers."
+        )
+
+    @property
+    def element_spec(self) -> Any:
+        """`TensorSpec` nest of one replica's element; the batch dimension is
+        ``None`` when partial batches are possible."""
+        return _spec(self._peek(), self._batch_dim())
+
+
+class DistributedDatasetsFromFunction:
+    """Input pipelines built by a function, one per worker (or per replica).
+
+    Each element the pipeline yields is one replica's batch: no rebatching or
+    sharding is done. With PER_WORKER and several local replicas, consecutive
+    elements go to consecutive local replicas.
+
+    Example::
+
+        >>> import torch, distribute as ds
+        >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> def dataset_fn(ctx):
+        ...     return [torch.full((2,), float(i)) for i in range(4)]
+        >>> step = next(iter(strategy.distribute_datasets_from_function(dataset_fn)))
+        >>> [t.tolist() for t in step.values]
+        [[0.0, 0.0], [1.0, 1.0]]
+    """
+
+    def __init__(
+        self,
+        dataset_fn: Callable[[InputContext], Any],
+        input_workers: InputWorkers,
+        options: InputOptions | None = None,
+    ) -> None:
+        options = InputOptions() if options is None else options
+        self._workers = input_workers
+        self._options = options
+        w = input_workers
+        if options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
+            self._pipelines = [
+                dataset_fn(
+                    InputContext(
+                        w.num_replicas_in_sync,
+                        w.worker_index * w.local_replicas + r,
+                        w.num_replicas_in_sync,
+                    )
+                )
+                for r in range(w.local_replicas)
+            ]
+        else:
+            self._pipelines = [
+                dataset_fn(InputContext(w.num_workers, w.worker_index, w.num_replicas_in_sync))
+            ]
+        for pipeline in self._pipelines:
+            if not isinstance(pipeline, Iterable):
+                raise InvalidArgumentError(
+                    "dataset_fn must return an iterable of per-replica batches (a "
+                    "DataLoader, say), got "
+                    f"{type(pipeline).__name__}."
+                )
+        self._epoch = -1
+
+    def __iter__(self) -> DistributedIterator:
+        self._epoch += 1
+        for pipeline in self._pipelines:
+            _set_epoch(getattr(pipeline, "sampler", None), self._epoch)
+            _set_epoch(getattr(pipeline, "batch_sampler", None), self._epoch)
+        iterators = [iter(p) for p in self._pipelines]
+        done = [False] * len(iterators)
+        local = self._workers.local_replicas
+
+        def take(k: int) -> Any:
+            if done[k]:
+                return _MISSING
+            try:
+                return _normalize(next(iterators[k]))
+            except StopIteration:
+                done[k] = True
+                return _MISSING
+
+        def pull() -> list[Any]:
+            if len(iterators) == 1:
+                return [take(0) for _ in range(local)]
+            return [take(k) for k in range(local)]
+
+        def template() -> Any:
+            for p in self._pipelines:
+                for batch in p:
+                    return _normalize(batch)
+            raise InvalidArgumentError(
+                "dataset_fn produced no data to infer the element structure from."
+            )
+
+        return DistributedIterator(
+            pull, self._workers, self._options, template, None, prefetch=False
+        )
+
+
+# -- NumPy input ------------------------------------------------------------------------
+
+
+class _ArrayDataset(torch.utils.data.Dataset[Any]):
+    def __init__(self, structure: Any) -> None:
+        self._structure = structure
+        self._leaves = [torch.as_tensor(np.asarray(x)) for x in flatten(structure)]
+        lengths = {len(x) for x in self._leaves}
+        if len(lengths) != 1:
+            raise InvalidArgumentError(
+                f"make_numpy_dataset needs arrays of one length, got lengths {sorted(lengths)}."
+            )
+        self._length = lengths.pop()
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int) -> Any:
+        return pack_sequence_as(self._structure, [x[index] for x in self._leaves])
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        index = torch.as_tensor(indices)
+        return [_Collated(pack_sequence_as(self._structure, [x[index] for x in self._leaves]))]
+
+
+class _Collated:
+    """A batch already gathered by fancy indexing; `_collate_arrays` unwraps it."""
+
+    def __init__(self, batch: Any) -> None:
+        self.batch = batch
+
+
+def _collate_arrays(items: list[Any]) -> Any:
+    if len(items) == 1 and isinstance(items[0], _Collated):
+        return items[0].batch
+    return torch.utils.data.default_collate(items)
+
+
+def make_numpy_dataset(
+    arrays: Any, batch_size: int, *, shuffle: bool = False, seed: int = 0, drop_last: bool = False
+) -> DataLoader[Any]:
+    """A DataLoader over in-memory NumPy arrays, batched with the global batch size.
+
+    Args:
+      arrays: an array or a nest (tuple, dict, ...) of arrays of one length.
+      batch_size: the GLOBAL batch size.
+      shuffle: reshuffle every epoch (the order depends on ``seed`` and the epoch only).
+      seed: the shuffling seed.
+      drop_last: drop the last partial batch.
+
+    Example::
+
+        >>> import numpy as np, distribute as ds
+        >>> loader = ds.data.make_numpy_dataset((np.zeros((10, 3)), np.arange(10)), batch_size=4)
+        >>> [b[1].tolist() for b in loader][-1]
+        [8, 9]
+    """
+    dataset = _ArrayDataset(arrays)
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    sampler: Sampler[int] = (
+        RandomSampler(dataset, generator=generator)
+        if shuffle
+        else torch.utils.data.SequentialSampler(dataset)
+    )
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=drop_last,
+        collate_fn=_collate_arrays,
+    )
