@@ -292,7 +292,7 @@ class _SeededRandomSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator()
         generator.manual_seed(self._seed + self._epoch)
-        n = len(self._original.data_source)  # type: ignore[arg-type]  # map-style data sources are sized
+        n = len(self._original.data_source)
         num_samples = self._original.num_samples
         if self._original.replacement:
             yield from torch.randint(n, (num_samples,), generator=generator).tolist()
