@@ -139,7 +139,7 @@ class DistributedVariable(torch.Tensor):
         self._ds_synced_version = self._primary_version()
 
     @property
-    def values(self) -> tuple[torch.Tensor, ...]:
+    def values(self) -> tuple[torch.Tensor, ...]:  # type: ignore[override]  # Tensor.values is a sparse-tensor method; here the per-replica components
         """The components, one per local replica (plain tensors sharing storage)."""
         if self._ds_synchronization is not VariableSynchronization.ON_READ:
             self._sync_from_primary()
@@ -208,9 +208,9 @@ class DistributedVariable(torch.Tensor):
             self._apply_to(self._component(i), kind, values[i])
         self._mark_synced()
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # same keyword as Tensor.__repr__, narrower return type
         with torch._C.DisableTorchFunctionSubclass():
-            body = torch.Tensor.__repr__(self.as_subclass(torch.Tensor).detach())
+            body = repr(self.as_subclass(torch.Tensor).detach())
         return (
             f"{type(self).__name__}(replicas={1 + len(self._ds_components)}, "
             f"aggregation={self._ds_aggregation.name}, {body})"
@@ -298,7 +298,7 @@ class SyncOnReadVariable(DistributedVariable):
     """
 
     @classmethod
-    def __torch_function__(
+    def __torch_function__(  # type: ignore[override]  # classmethod form of the protocol; the base disables it
         cls,
         func: Callable[..., Any],
         types: Any,
@@ -340,7 +340,7 @@ class _ReplicatedMirroredVariable(MirroredVariable):
     """A `MirroredVariable` with several local replicas: dispatches per replica."""
 
     @classmethod
-    def __torch_function__(
+    def __torch_function__(  # type: ignore[override]  # classmethod form of the protocol; the base disables it
         cls,
         func: Callable[..., Any],
         types: Any,
@@ -349,7 +349,7 @@ class _ReplicatedMirroredVariable(MirroredVariable):
     ) -> Any:
         return _dispatch(func, args, kwargs or {})
 
-    @property  # type: ignore[override]
+    @property
     def grad(self) -> torch.Tensor | None:
         replica = _local_replica(self._ds_strategy)
         if replica:
@@ -497,5 +497,5 @@ def _buffer_hook(
     )
 
 
-_module.register_module_parameter_registration_hook(_parameter_hook)
-_module.register_module_buffer_registration_hook(_buffer_hook)
+_module.register_module_parameter_registration_hook(_parameter_hook)  # type: ignore[arg-type]  # stubs say the hook returns None; returning a tensor replaces it
+_module.register_module_buffer_registration_hook(_buffer_hook)  # type: ignore[arg-type]  # stubs say the hook returns None; returning a tensor replaces it

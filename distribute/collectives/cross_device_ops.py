@@ -146,10 +146,10 @@ def packed_all_reduce(
     flats = [torch.cat([t.detach().reshape(-1) for t in p]) for p in per_replica]
     chunk_sizes = split_num_packs(flats[0].numel(), num_packs)
     reduced_chunks: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    for chunks in zip(*(f.split(chunk_sizes) for f in flats)):
+    for chunks in zip(*(torch.split(f, chunk_sizes) for f in flats)):
         if all(c.is_cuda for c in chunks) and len({c.device for c in chunks}) == n:
             outputs = [c.clone() for c in chunks]
-            torch.cuda.nccl.all_reduce(outputs)
+            torch.cuda.nccl.all_reduce(outputs)  # type: ignore[no-untyped-call]  # torch.cuda.nccl is untyped
             if op is ReduceOp.MEAN:
                 outputs = [o / n for o in outputs]
         else:

@@ -482,7 +482,7 @@ class ReplicatedExtended(StrategyExtended):
             return value
         tensors = [torch.as_tensor(leaf) for leaf in leaves]
         local = replica_ctx.local_replica_id
-        outs = _AllReduce.apply(self, local, op, "all_reduce", *tensors)
+        outs = _AllReduce.apply(self, local, op, "all_reduce", *tensors)  # type: ignore[no-untyped-call]  # autograd.Function.apply is untyped
         results = [
             out if isinstance(leaf, torch.Tensor) else out.item() for leaf, out in zip(leaves, outs)
         ]
@@ -495,7 +495,7 @@ class ReplicatedExtended(StrategyExtended):
         for leaf in leaves:
             tensor = torch.as_tensor(leaf)
             _check_axis(tensor, axis, "all_gather")
-            outs.append(_AllGather.apply(self, local, axis % tensor.dim(), tensor))
+            outs.append(_AllGather.apply(self, local, axis % tensor.dim(), tensor))  # type: ignore[no-untyped-call]  # autograd.Function.apply is untyped
         return pack_sequence_as(value, outs)
 
     def _all_gather_tensor(
@@ -768,7 +768,7 @@ class _AllReduce(torch.autograd.Function):
     """All-reduce whose gradient is the all-reduce of the gradient (SUM: sum; MEAN: mean)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         ext: ReplicatedExtended,
         local: int,
@@ -790,7 +790,7 @@ class _AllGather(torch.autograd.Function):
     """All-gather whose gradient is this replica's slice of the summed gradient."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, ext: ReplicatedExtended, local: int, axis: int, tensor: torch.Tensor
     ) -> torch.Tensor:
         gathered, sizes = ext._all_gather_tensor(local, tensor, axis, "all_gather")
