@@ -28,8 +28,10 @@ import distribute as ds
 STRATEGIES = ("default", "one_device", "mirrored", "central_storage", "multi_worker")
 
 
-def make_strategy(name: str, replicas: int, device: str) -> ds.Strategy:
+def make_strategy(name: str, replicas: int | None, device: str) -> ds.Strategy:
     """The only line that differs between one CPU, several replicas and several workers."""
+    if replicas is None:  # several logical replicas in one process; one per worker process
+        replicas = 1 if name == "multi_worker" else 2
     logical = [f"{device}:{i}" for i in range(replicas)] if device == "cpu" else None
     if name == "default":
         return ds.get_strategy()
@@ -40,7 +42,7 @@ def make_strategy(name: str, replicas: int, device: str) -> ds.Strategy:
     if name == "central_storage":
         return ds.CentralStorageStrategy(logical)
     if name == "multi_worker":
-        return ds.MultiWorkerMirroredStrategy(devices=logical if replicas > 1 else None)  # type: ignore[attr-defined]
+        return ds.MultiWorkerMirroredStrategy(devices=logical if replicas > 1 else None)
     raise SystemExit(f"unknown --strategy {name!r}; choose from {', '.join(STRATEGIES)}")
 
 
@@ -69,7 +71,10 @@ def progress(epoch: int, epochs: int, step: int, steps: int, loss: float, start:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategy", default="default", choices=STRATEGIES)
-    parser.add_argument("--replicas", type=int, default=2, help="logical CPU replicas per process")
+    parser.add_argument(
+        "--replicas", type=int, default=None,
+        help="logical CPU replicas per process (default: 2, or 1 with multi_worker)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=64, help="the GLOBAL batch size")
@@ -79,7 +84,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
 
     strategy = make_strategy(args.strategy, args.replicas, args.device)
-    is_chief = getattr(strategy.cluster_resolver, "rank", 0) == 0
+    resolver = strategy.cluster_resolver
+    is_chief = resolver is None or resolver.rank == 0
     show = is_chief and not args.quiet
     train_set, test_set = load_data(args.seed)
     train_loader = DataLoader(

@@ -1,0 +1,55 @@
+"""The README's main example trains for real and gives the same numbers under every
+single-process strategy."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("train_digits", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def example() -> ModuleType:
+    return _load()
+
+
+@pytest.fixture(scope="module")
+def reference(example: ModuleType) -> dict[str, float]:
+    return example.main(["--strategy", "default", "--epochs", "2", "--quiet"])
+
+
+def test_default_strategy_learns_digits(reference: dict[str, float]) -> None:
+    assert reference["test_accuracy"] > 0.85
+    assert math.isfinite(reference["final_loss"])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--strategy", "one_device", "--device", "cpu"],
+        ["--strategy", "mirrored", "--replicas", "1"],
+        ["--strategy", "mirrored", "--replicas", "4"],
+        ["--strategy", "central_storage", "--replicas", "2"],
+        ["--strategy", "multi_worker"],
+    ],
+    ids=["one_device", "mirrored_1", "mirrored_4", "central_storage_2", "multi_worker_single"],
+)
+def test_every_strategy_matches_the_default_strategy(
+    example: ModuleType, reference: dict[str, float], argv: list[str]
+) -> None:
+    result = example.main([*argv, "--epochs", "2", "--quiet"])
+    assert result["final_loss"] == pytest.approx(reference["final_loss"], rel=1e-5, abs=1e-6)
+    assert result["test_accuracy"] == pytest.approx(reference["test_accuracy"], abs=1e-9)
