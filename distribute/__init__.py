@@ -48,6 +48,7 @@ from distribute.losses import compute_average_loss, scale_regularization_loss
 from distribute.strategies.base import Strategy, StrategyExtended
 from distribute.strategies.central_storage import CentralStorageStrategy
 from distribute.strategies.mirrored import MirroredStrategy
+from distribute.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from distribute.strategies.one_device import OneDeviceStrategy
 from distribute.values import DistributedValues, Mirrored, PerReplica
 from distribute.variables import (
@@ -72,6 +73,7 @@ __all__ = [
     "Mirrored",
     "MirroredStrategy",
     "MirroredVariable",
+    "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
     "PerReplica",

@@ -29,6 +29,7 @@ from torch.optim.optimizer import (
 )
 
 from distribute import context
+from distribute._bucket_reducer import BucketReducer
 from distribute._enums import ReduceOp
 from distribute.collectives.packing import pack_by_bytes
 from distribute.variables import DistributedVariable, _local_replica
@@ -144,6 +145,9 @@ class GradientSynchronizer:
         self._plans: weakref.WeakKeyDictionary[
             Optimizer, tuple[tuple[int, ...], list[DistributedVariable]]
         ] = weakref.WeakKeyDictionary()
+        self._reducers: weakref.WeakKeyDictionary[
+            Optimizer, tuple[tuple[int, ...], BucketReducer]
+        ] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
     @property
@@ -176,9 +180,36 @@ class GradientSynchronizer:
                 if not isinstance(optimizer.state, PerReplicaState):
                     optimizer.state = PerReplicaState(optimizer.state, ext)
         if ext.experimental_aggregate_gradients and ext._num_replicas_in_sync() > 1:
-            self.aggregate(local, variables)
+            reducer = self._reducers.get(optimizer)
+            if reducer is not None and reducer[0] == tuple(id(v) for v in variables):
+                reducer[1].finish()
+            else:
+                self.aggregate(local, variables)
+                self._start_overlap(optimizer, variables)
         if ext._central and local != 0:
             ext._skip_grads.value = True
+
+    def _start_overlap(
+        self, optimizer: Optimizer, variables: Sequence[DistributedVariable]
+    ) -> None:
+        """After a first synchronous step, overlaps later steps' all-reduces with backward.
+
+        Only with one local replica per worker (see NOTE [overlapped gradient sync]).
+        """
+        ext = self._ext
+        cross = ext._cross_worker
+        if ext._num_local != 1 or ext._central or cross is None:
+            return
+        if not hasattr(cross, "all_reduce_async"):
+            return
+        old = self._reducers.pop(optimizer, None)
+        if old is not None:
+            old[1].remove()
+        reducer = BucketReducer(
+            variables, cross, ext._bytes_per_pack, skip=lambda: ext._no_sync_depth > 0
+        )
+        reducer.check_layout()
+        self._reducers[optimizer] = (tuple(id(v) for v in variables), reducer)
 
     def after_step(self, optimizer: Optimizer, local: int) -> None:
         ext = self._ext

@@ -1,0 +1,158 @@
+"""`MultiWorkerMirroredStrategy`: synchronous data parallelism across processes.
+
+Each process (a *worker*) runs one or more local replicas; a `torch.distributed`
+process group (gloo on CPUs, nccl on GPUs) joins the workers. Global replica ids
+are ``worker_index * local_replicas + local_id``.
+
+Launch with torchrun (the cluster is read from its variables)::
+
+    torchrun --nproc_per_node=2 examples/train_digits.py --strategy multi_worker
+
+or with one ``TF_CONFIG`` per process, or under SLURM (``srun``).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from distribute.cluster_resolver import ClusterResolver, resolve_cluster
+from distribute.errors import InvalidArgumentError
+from distribute.experimental import CommunicationImplementation, CommunicationOptions
+from distribute.strategies._replicated import ReplicatedExtended
+from distribute.strategies.base import Strategy
+
+if TYPE_CHECKING:
+    from distribute.collectives.process_group import ProcessGroupCollectives
+
+__all__ = ["MultiWorkerMirroredStrategy"]
+
+logger = logging.getLogger(__name__)
+
+#: DistributedDataParallel's default bucket size, used when bytes_per_pack is 0.
+DEFAULT_BYTES_PER_PACK = 25 * 1024 * 1024
+
+
+def _default_devices(resolver: ClusterResolver | None) -> list[str]:
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        local_rank = resolver.local_rank if resolver is not None else 0
+        return [f"cuda:{local_rank % torch.cuda.device_count()}"]
+    return ["cpu"]
+
+
+def _backend(implementation: CommunicationImplementation, devices: Sequence[torch.device]) -> str:
+    all_cuda = all(d.type == "cuda" for d in devices)
+    if implementation is CommunicationImplementation.NCCL:
+        if not all_cuda:
+            raise InvalidArgumentError(
+                "CommunicationImplementation.NCCL needs every replica on a CUDA device, got "
+                f"{[str(d) for d in devices]}; use RING (gloo) for CPU replicas."
+            )
+        return "nccl"
+    if implementation is CommunicationImplementation.RING:
+        return "gloo"
+    return "nccl" if all_cuda and torch.distributed.is_nccl_available() else "gloo"
+
+
+class MultiWorkerMirroredStrategy(Strategy):
+    """Synchronous training on every replica of every worker process.
+
+    Variables created in scope are mirrored on the local replicas and start from
+    the chief's (rank 0's) values on every worker, whatever each worker's seed.
+    Gradients are summed over all replicas of all workers at each optimizer step;
+    with one local replica the sum is overlapped with the backward pass in
+    buckets of ``bytes_per_pack`` bytes (25 MiB by default), as
+    DistributedDataParallel does.
+
+    Args:
+        cluster_resolver: who is in the cluster; None reads torchrun's variables,
+            else ``TF_CONFIG``, else SLURM, else runs as a single worker.
+        communication_options: `ds.experimental.CommunicationOptions` (pack size,
+            timeout, implementation: RING = gloo, NCCL = nccl, AUTO picks nccl
+            when every replica is a CUDA device).
+        devices: this worker's replica devices; None: ``cuda:<local_rank>`` when
+            CUDA is available, else one CPU. Logical CPUs (``["cpu:0", "cpu:1"]``)
+            give several replicas per process.
+
+    Example:
+        >>> import distribute as ds
+        >>> strategy = ds.MultiWorkerMirroredStrategy()  # one worker without a launcher
+        >>> strategy.num_replicas_in_sync
+        1
+    """
+
+    def __init__(
+        self,
+        cluster_resolver: ClusterResolver | None = None,
+        communication_options: CommunicationOptions | None = None,
+        devices: Sequence[str | torch.device] | None = None,
+    ) -> None:
+        options = communication_options or CommunicationOptions()
+        resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
+        self._resolver = resolver
+        self._options = options
+        names = [str(d) for d in (devices if devices is not None else _default_devices(resolver))]
+        bytes_per_pack = options.bytes_per_pack or DEFAULT_BYTES_PER_PACK
+        extended = ReplicatedExtended(
+            self, names, timeout_seconds=options.timeout_seconds, bytes_per_pack=bytes_per_pack
+        )
+        super().__init__(extended)
+        self._collectives: ProcessGroupCollectives | None = None
+        world_size = resolver.world_size if resolver is not None else 1
+        if resolver is not None and world_size > 1:
+            from distribute.collectives.process_group import ProcessGroupCollectives
+
+            backend = _backend(options.implementation, extended.worker_devices)
+            self._collectives = ProcessGroupCollectives.create(
+                resolver.rank,
+                world_size,
+                resolver.master_addr,
+                resolver.master_port,
+                backend=backend,
+                timeout_seconds=extended._timeout,
+            )
+            extended._set_workers(resolver.rank, world_size, self._collectives)
+            weakref.finalize(self, self._collectives.shutdown)
+            if resolver.rank == 0:
+                logger.info(
+                    "MultiWorkerMirroredStrategy: %d workers x %d local replicas, backend %s",
+                    world_size,
+                    len(names),
+                    backend,
+                )
+        self._devices = names
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver | None:
+        """The resolver this strategy was built from (None for a single worker)."""
+        return self._resolver
+
+    @property
+    def worker_index(self) -> int:
+        """This worker's index (its rank in the process group)."""
+        return self._resolver.rank if self._resolver is not None else 0
+
+    @property
+    def num_workers(self) -> int:
+        """How many worker processes train together."""
+        return self._resolver.world_size if self._resolver is not None else 1
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this worker saves checkpoints and writes summaries (rank 0)."""
+        return self.worker_index == 0
+
+    def shutdown(self) -> None:
+        """Destroys the process group; the strategy cannot run collectives afterwards."""
+        if self._collectives is not None:
+            self._collectives.shutdown()
+
+    def __repr__(self) -> str:
+        return (
+            f"MultiWorkerMirroredStrategy(worker={self.worker_index}/{self.num_workers}, "
+            f"devices={self._devices})"
+        )
