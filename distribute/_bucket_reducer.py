@@ -94,7 +94,7 @@ class BucketReducer:
         self._bucket_of = {j: b for b, bucket in enumerate(self._buckets) for j in bucket.members}
         self._next_launch = 0
         self._hooks = [
-            var.register_post_accumulate_grad_hook(self._hook_for(j))
+            var.register_post_accumulate_grad_hook(self._hook_for(j))  # type: ignore[no-untyped-call]  # untyped in torch
             for j, var in enumerate(self._variables)
         ]
 

@@ -200,8 +200,6 @@ class GradientSynchronizer:
         cross = ext._cross_worker
         if ext._num_local != 1 or ext._central or cross is None:
             return
-        if not hasattr(cross, "all_reduce_async"):
-            return
         old = self._reducers.pop(optimizer, None)
         if old is not None:
             old[1].remove()

@@ -66,6 +66,12 @@ class CrossWorker(Protocol):
 
     def all_reduce_int(self, value: int, name: str) -> int: ...
 
+    def check_same(self, signature: Any, *, name: str) -> None: ...
+
+    def all_reduce_async(
+        self, tensors: Sequence[torch.Tensor], op: ReduceOp, *, name: str
+    ) -> Any: ...
+
 
 def parse_device(device: str | torch.device) -> tuple[str, torch.device]:
     """Returns (display name, tensor device) for a replica device.
@@ -130,6 +136,7 @@ class ReplicatedExtended(StrategyExtended):
         self._num_workers = 1
         self._cross_worker: CrossWorker | None = None
         self._variables: weakref.WeakSet[DistributedVariable] = weakref.WeakSet()
+        self._pending_broadcast: list[DistributedVariable] = []
         n = len(self._devices)
         self._rendezvous = Rendezvous(n, self._timeout) if n > 1 else None
         self._threads: ReplicaThreads | None = None
@@ -226,6 +233,7 @@ class ReplicatedExtended(StrategyExtended):
         return list(self._variables)
 
     def _before_run(self) -> None:
+        self._broadcast_initial_values()
         if self._num_local == 1 or self._central:
             return
         for var in self._live_variables():
@@ -315,21 +323,32 @@ class ReplicatedExtended(StrategyExtended):
             is_buffer=is_buffer,
             alias_components=self._central and sync is VariableSynchronization.ON_WRITE,
         )
-        if (
-            self._num_workers > 1
-            and self._cross_worker is not None
-            and sync is not VariableSynchronization.ON_READ
-        ):
-            self._broadcast_initial_value(var)
+        if self._cross_worker is not None and sync is not VariableSynchronization.ON_READ:
+            self._pending_broadcast.append(var)
         self._variables.add(var)
         return var
 
-    def _broadcast_initial_value(self, var: DistributedVariable) -> None:
-        """Gives every worker the chief's initial value, whatever their seeds."""
-        assert self._cross_worker is not None
-        primary = var.values[0].clone()
-        self._cross_worker.broadcast([primary], 0, name="initial variable values")
-        var._write_all("assign", [primary] * self._num_local)
+    def _broadcast_initial_values(self) -> None:
+        """Gives every worker the chief's initial values, whatever their seeds.
+
+        Modules initialise their parameters after registering them
+        (`reset_parameters`), so the broadcast waits until the scope is left or
+        the next `run`, and sends every pending variable in one packed broadcast.
+        Every worker creates the same variables in the same order.
+        """
+        if not self._pending_broadcast or self._cross_worker is None:
+            return
+        pending, self._pending_broadcast = self._pending_broadcast, []
+        primaries = [var.values[0].detach().clone() for var in pending]
+        self._cross_worker.broadcast(primaries, 0, name="initial variable values")
+        for var, primary in zip(pending, primaries):
+            var._write_all("assign", [primary] * self._num_local)
+
+    def _exit_scope(self) -> None:
+        try:
+            self._broadcast_initial_values()
+        finally:
+            super()._exit_scope()
 
     def _read_sync_on_read(self, var: DistributedVariable) -> torch.Tensor:
         components = [var._plain_component(i) for i in range(self._num_local)]

@@ -1,0 +1,70 @@
+"""Entry point of a worker started by `distribute.launch.run`.
+
+Usage (by the launcher only): ``python -m distribute._launch_child PAYLOAD RESULT``.
+PAYLOAD holds two pickles: the parent's ``sys.path`` and script path (plain
+strings, so they load before anything is imported), then ``(fn, args, kwargs)``, whose unpickling
+imports ``fn``'s module from that path. The outcome, ``{"ok": True, "value": ...}``
+or the exception's type, message and traceback, is written to RESULT under a
+temporary name and renamed, so the parent never reads half a file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pickle
+import sys
+import traceback
+from typing import Any
+
+
+def _write(path: str, outcome: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(outcome, f)
+    os.replace(tmp, path)
+
+
+def _import_main(path: str) -> None:
+    """Makes the parent's script importable as ``__main__`` (as multiprocessing's spawn
+    does), under another ``__name__`` so its ``if __name__ == "__main__"`` block does
+    not run."""
+    spec = importlib.util.spec_from_file_location("__mp_main__", path)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["__mp_main__"] = module
+    spec.loader.exec_module(module)
+    sys.modules["__main__"] = module
+
+
+def main(argv: list[str]) -> int:
+    payload_path, result_path = argv
+    try:
+        with open(payload_path, "rb") as f:
+            setup: dict[str, Any] = pickle.load(f)
+            sys.path[:0] = [p for p in setup["sys_path"] if p not in sys.path]
+            if setup["main_path"]:
+                _import_main(setup["main_path"])
+            fn, args, kwargs = pickle.load(f)
+        value = fn(*args, **kwargs)
+        try:
+            _write(result_path, {"ok": True, "value": value})
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            raise TypeError(f"the worker's return value cannot be pickled: {exc}") from exc
+    except BaseException as exc:  # report everything, SystemExit included, to the parent
+        _write(
+            result_path,
+            {
+                "ok": False,
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "traceback": traceback.format_exc(),
+            },
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
