@@ -1,0 +1,289 @@
+"""MultiWorkerMirroredStrategy in real processes joined by a gloo process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import distribute as ds
+from distribute import launch
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# -- functions run in the workers (module level: pickled by reference) -------------------
+
+
+def _strategy(local_replicas: int, **options: Any) -> ds.MultiWorkerMirroredStrategy:
+    devices = [f"cpu:{i}" for i in range(local_replicas)] if local_replicas > 1 else None
+    comm = ds.experimental.CommunicationOptions(**options) if options else None
+    return ds.MultiWorkerMirroredStrategy(communication_options=comm, devices=devices)
+
+
+def _basics(local_replicas: int) -> dict[str, Any]:
+    strategy = _strategy(local_replicas)
+    resolver = strategy.cluster_resolver
+    assert resolver is not None
+    out: dict[str, Any] = {"rank": resolver.rank, "n": strategy.num_replicas_in_sync}
+
+    def ids() -> int:
+        ctx = ds.get_replica_context()
+        assert ctx is not None
+        return ctx.replica_id_in_sync_group
+
+    out["ids"] = list(strategy.experimental_local_results(strategy.run(ids)))
+
+    def value() -> torch.Tensor:
+        ctx = ds.get_replica_context()
+        assert ctx is not None
+        return torch.tensor([float(ctx.replica_id_in_sync_group + 1)])
+
+    per_replica = strategy.run(value)
+    out["sum"] = strategy.reduce("sum", per_replica, axis=None).item()
+    out["mean"] = strategy.reduce("mean", per_replica, axis=None).item()
+    out["host_sum"] = float(strategy.reduce("sum", torch.tensor(2.0), axis=None))
+
+    def uneven() -> torch.Tensor:
+        ctx = ds.get_replica_context()
+        assert ctx is not None
+        rid = ctx.replica_id_in_sync_group
+        return torch.full((rid + 1, 2), float(rid))
+
+    out["gather"] = strategy.gather(strategy.run(uneven), axis=0).tolist()
+
+    def all_gather_in_replica() -> torch.Tensor:
+        ctx = ds.get_replica_context()
+        assert ctx is not None
+        rid = ctx.replica_id_in_sync_group
+        return ctx.all_gather(torch.tensor([rid, rid]), axis=0)
+
+    out["all_gather"] = [
+        t.tolist() for t in strategy.experimental_local_results(strategy.run(all_gather_in_replica))
+    ]
+
+    def all_reduce_in_replica() -> torch.Tensor:
+        ctx = ds.get_replica_context()
+        assert ctx is not None
+        return ctx.all_reduce("sum", torch.ones(3) * ctx.replica_id_in_sync_group)
+
+    out["all_reduce"] = [
+        t.tolist() for t in strategy.experimental_local_results(strategy.run(all_reduce_in_replica))
+    ]
+
+    # Input: 10 elements in global batches of 4; every element once, uneven end.
+    loader = torch.utils.data.DataLoader(torch.arange(10), batch_size=4)
+    steps = []
+    for batch in strategy.experimental_distribute_dataset(loader):
+        steps.append([t.tolist() for t in strategy.experimental_local_results(batch)])
+    out["steps"] = steps
+    strategy.shutdown()
+    return out
+
+
+def _make_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(58, 12, generator=g)
+    y = torch.randint(0, 5, (58,), generator=g)
+    return x, y
+
+
+def _make_model() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+        torch.nn.Linear(32, 5),
+    )
+
+
+def _make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+GLOBAL_BATCH = 16
+
+
+def _train(local_replicas: int, optimizer_name: str, epochs: int, accumulate: int) -> dict[str, Any]:
+    """Trains with a different seed on every worker; returns the final parameters."""
+    rank = int(os.environ["RANK"]) if "RANK" in os.environ else 0
+    torch.manual_seed(1000 + rank)  # workers disagree; the chief's initial values win
+    strategy = _strategy(local_replicas, bytes_per_pack=2048)  # several gradient buckets
+    with strategy.scope():
+        model = _make_model()
+        optimizer = _make_optimizer(optimizer_name, model.parameters())
+    x, y = _make_data()
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=GLOBAL_BATCH // accumulate
+    )
+    dist = strategy.experimental_distribute_dataset(loader)
+
+    def forward_backward(xb: torch.Tensor, yb: torch.Tensor) -> None:
+        per_example = torch.nn.functional.cross_entropy(model(xb), yb, reduction="none")
+        ds.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH).backward()
+
+    def apply() -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(epochs):
+        for i, (xb, yb) in enumerate(dist):
+            if (i + 1) % accumulate:
+                with strategy.extended.no_sync():
+                    strategy.run(forward_backward, args=(xb, yb))
+                continue
+            strategy.run(forward_backward, args=(xb, yb))
+            strategy.run(apply)
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    copies_equal = all(
+        all(torch.equal(c, p.values[0]) for c in p.values) for p in model.parameters()
+    )
+    strategy.shutdown()
+    return {"params": params, "copies_equal": copies_equal}
+
+
+def _reference(optimizer_name: str, epochs: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(1000)
+    model = _make_model()
+    optimizer = _make_optimizer(optimizer_name, model.parameters())
+    x, y = _make_data()
+    for _ in range(epochs):
+        for start in range(0, len(x), GLOBAL_BATCH):
+            xb, yb = x[start : start + GLOBAL_BATCH], y[start : start + GLOBAL_BATCH]
+            per_example = torch.nn.functional.cross_entropy(model(xb), yb, reduction="none")
+            (per_example.sum() / GLOBAL_BATCH).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _dead_peer(timeout: float) -> dict[str, Any]:
+    strategy = _strategy(1, timeout_seconds=timeout)
+    assert strategy.cluster_resolver is not None
+    if strategy.cluster_resolver.rank == 1:
+        os._exit(0)  # dies without a word
+    start = time.monotonic()
+    try:
+        strategy.reduce("sum", torch.ones(2), axis=None)
+    except ds.errors.DistributeError as exc:
+        return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+def _mismatch() -> dict[str, Any]:
+    strategy = _strategy(1, timeout_seconds=20)
+    assert strategy.cluster_resolver is not None
+    rank = strategy.cluster_resolver.rank
+
+    def fn() -> torch.Tensor:
+        ctx = ds.get_replica_context()
+        assert ctx is not None
+        return ctx.all_reduce("sum", torch.ones(3 + rank))
+
+    try:
+        strategy.run(fn)
+    except ds.errors.CollectiveMismatchError as exc:
+        strategy.shutdown()
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+# -- tests ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("local_replicas", [1, 2])
+def test_two_workers_replica_ids_reduce_gather_and_input(local_replicas: int) -> None:
+    results = launch.run(_basics, 2, args=(local_replicas,), timeout=120)
+    n = 2 * local_replicas
+    for rank, out in enumerate(results):
+        assert out["rank"] == rank and out["n"] == n
+        assert out["ids"] == [rank * local_replicas + i for i in range(local_replicas)]
+        assert out["sum"] == sum(range(1, n + 1))
+        assert out["mean"] == pytest.approx(sum(range(1, n + 1)) / n)
+        assert out["host_sum"] == 4.0  # a host value is summed across workers, as in TF
+        assert out["gather"] == [[float(r), float(r)] for r in range(n) for _ in range(r + 1)]
+        assert all(g == [r for r in range(n) for _ in range(2)] for g in out["all_gather"])
+        assert all(v == [float(sum(range(n)))] * 3 for v in out["all_reduce"])
+    # Input: every element once, per step sizes differ by at most one, all stop together.
+    steps = [results[0]["steps"][i] + results[1]["steps"][i] for i in range(len(results[0]["steps"]))]
+    assert len(results[0]["steps"]) == len(results[1]["steps"]) == 3
+    seen = sorted(x for step in steps for part in step for x in part)
+    assert seen == list(range(10))
+    for step in steps:
+        sizes = [len(part) for part in step]
+        assert max(sizes) - min(sizes) <= 1
+    assert [len(p) for p in steps[-1]] == ([1, 1] if local_replicas == 1 else [1, 1, 0, 0])
+
+
+@pytest.mark.parametrize(
+    ("workers", "local_replicas", "optimizer_name", "accumulate"),
+    [(2, 1, "sgd", 1), (2, 2, "adam", 1), (4, 1, "adam", 1), (2, 1, "sgd", 2)],
+    ids=["2x1-sgd-overlapped", "2x2-adam-hierarchical", "4x1-adam", "2x1-no_sync-accumulation"],
+)
+def test_training_matches_single_process_with_different_seeds(
+    workers: int, local_replicas: int, optimizer_name: str, accumulate: int
+) -> None:
+    epochs = 2
+    results = launch.run(
+        _train, workers, args=(local_replicas, optimizer_name, epochs, accumulate), timeout=150
+    )
+    expected = _reference(optimizer_name, epochs)
+    for out in results:
+        assert out["copies_equal"]
+        for name, value in expected.items():
+            torch.testing.assert_close(out["params"][name], value, rtol=1e-5, atol=1e-5)
+
+
+def test_tf_config_launch_builds_the_same_cluster() -> None:
+    results = launch.run(_basics, 2, args=(1,), launcher="tf_config", timeout=120)
+    assert [out["rank"] for out in results] == [0, 1]
+    assert [out["ids"] for out in results] == [[0], [1]]
+    assert results[0]["sum"] == 3.0
+
+
+def test_dead_peer_gives_a_timeout_error_naming_it() -> None:
+    timeout = 6.0
+    results = launch.run(_dead_peer, 2, args=(timeout,), timeout=120, allow_missing=True)
+    out = results[0]
+    assert out["error"] in {"CollectiveTimeoutError", "WorkerError"}, out
+    assert "1" in out["message"] and "reduce" in out["message"], out["message"]
+    assert out["seconds"] < timeout + 5
+
+
+def test_shape_mismatch_raises_on_every_rank() -> None:
+    results = launch.run(_mismatch, 2, timeout=120)
+    for out in results:
+        assert out["error"] is not None
+        assert "rank 0" in out["error"] and "rank 1" in out["error"], out["error"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_example_runs_under_torchrun() -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+        str(ROOT / "examples" / "train_digits.py"), "--strategy", "multi_worker",
+        "--epochs", "2", "--quiet",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, proc.stdout  # only the chief prints
+    assert lines[0]["replicas_in_sync"] == 2
+    assert lines[0]["test_accuracy"] > 0.85
