@@ -56,6 +56,11 @@ _T = TypeVar("_T")
 _GRACE_SECONDS = 2.0
 
 
+def _grace(timeout_seconds: float) -> float:
+    """The part of the timeout kept for the failure diagnosis."""
+    return min(_GRACE_SECONDS, timeout_seconds * 0.25)
+
+
 def _signature_hash(signature: Any) -> int:
     digest = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
@@ -178,7 +183,7 @@ class ProcessGroupCollectives:
             return cls(
                 None, rank, world_size, dist.get_backend(), timeout_seconds, owns_group=False
             )
-        group_timeout = max(timeout_seconds - _GRACE_SECONDS, timeout_seconds * 0.75)
+        group_timeout = timeout_seconds - _grace(timeout_seconds)
         store = _c10d.TCPStore(
             master_addr,
             master_port,
@@ -237,9 +242,10 @@ class ProcessGroupCollectives:
             )
         positions: dict[int, tuple[int, str] | None] = {}
         try:
-            store.set_timeout(datetime.timedelta(seconds=_GRACE_SECONDS))
+            grace = _grace(self._timeout)
+            store.set_timeout(datetime.timedelta(seconds=max(grace, 0.5)))
             store.set(f"failed/{self._rank}", f"{seq}|{kind} '{name}'")
-            deadline = time.monotonic() + _GRACE_SECONDS
+            deadline = time.monotonic() + grace
             while True:
                 for r in range(self._world_size):
                     key = f"failed/{r}"
