@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ from distribute.data.options import (
     InputReplicationMode,
 )
 from distribute.errors import InvalidArgumentError
-from distribute.values import PerReplica, flatten, pack_sequence_as, regroup
+from distribute.values import PerReplica, assert_same_structure, flatten, pack_sequence_as
 
 __all__ = [
     "DistributedDataset",
@@ -165,28 +166,157 @@ class OptionalValue:
         return self._value
 
 
-# -- nest helpers for batches -----------------------------------------------------------
+# -- steps: batches as columns of leaves ----------------------------------------------------
+#
+# NOTE [column layout]: a worker's step is kept as one column per leaf of the batch,
+# each column holding that leaf's value for every local replica (`torch.split` gives
+# exactly that), and packed into the batch's nest once, when the step is handed out.
+# Flattening and packing a nest per replica cost more than the split itself, and the
+# per-step path runs between two DataLoader batches, with cold caches.
+
+_MISSING = object()  # a replica with no data this step
+
+_split_sizes = functools.lru_cache(maxsize=64)(sharding.split_sizes)  # read-only lists
 
 
-def _as_tensor_leaf(leaf: Any) -> Any:
-    if isinstance(leaf, np.ndarray):
-        return torch.from_numpy(leaf)
-    return leaf
+class _Step:
+    """One step of one worker: ``columns[i][r]`` is leaf ``i`` of local replica ``r``.
+
+    Args:
+      structure: the nest the leaves pack into.
+      columns: one sequence per leaf, one value per local replica (`_MISSING` for a
+        replica without data).
+      replicas: how many local replicas.
+      missing: the replicas without data.
+      nest: the packed value, when it is at hand (one replica, batch unchanged).
+      on_cpu: whether every tensor leaf is on the CPU, when known.
+    """
+
+    __slots__ = ("columns", "missing", "nest", "on_cpu", "replicas", "structure")
+
+    def __init__(
+        self,
+        structure: Any,
+        columns: Sequence[Sequence[Any]],
+        replicas: int,
+        *,
+        missing: Sequence[int] = (),
+        nest: Any = None,
+        on_cpu: bool | None = None,
+    ) -> None:
+        self.structure = structure
+        self.columns = columns
+        self.replicas = replicas
+        self.missing = missing
+        self.nest = nest
+        self.on_cpu = on_cpu
+
+    def value(self) -> Any:
+        """The step as handed out: a nest of `PerReplica` (plain values with one replica).
+
+        A non-tensor leaf that is the same object on every replica stays unwrapped,
+        as `distribute.values.regroup` does.
+        """
+        if self.nest is None:
+            if self.replicas == 1:
+                leaves = [column[0] for column in self.columns]
+            else:
+                leaves = [
+                    c[0]
+                    if not isinstance(c[0], torch.Tensor) and all(x is c[0] for x in c)
+                    else PerReplica(c)
+                    for c in self.columns
+                ]
+            self.nest = _pack(self.structure, leaves)
+        return self.nest
+
+    def empty_leaves(self) -> list[Any]:
+        """One present replica's leaves, emptied: the template for replicas without data."""
+        r = next(r for r in range(self.replicas) if r not in self.missing)
+        return _empty_leaves([column[r] for column in self.columns])
+
+    def filled(self, structure: Any, empty: Sequence[Any]) -> _Step:
+        """This step with an empty batch (from `structure`, `empty`) for every replica
+        without data."""
+        if structure is not self.structure:
+            assert_same_structure(self.structure, structure, "a batch and an earlier one")
+        columns = [list(column) for column in self.columns]
+        for r in self.missing:
+            for column, leaf in zip(columns, _empty_leaves(empty)):
+                column[r] = leaf
+        return _Step(self.structure, columns, self.replicas)
+
+    def to(self, devices: Sequence[torch.device], cpu_only: bool) -> _Step:
+        """This step with replica ``r``'s leaves on ``devices[r]``."""
+        if cpu_only:
+            if self.on_cpu is None:
+                self.on_cpu = all(_all_on_cpu(column) for column in self.columns)
+            if self.on_cpu:
+                return self
+        columns = [[_to_device(x, d) for x, d in zip(column, devices)] for column in self.columns]
+        if all(x is y for a, b in zip(columns, self.columns) for x, y in zip(a, b)):
+            return self
+        return _Step(self.structure, columns, self.replicas)
 
 
-def _batch_len(batch: Any) -> int:
-    lengths = {t.shape[0] for t in flatten(batch) if isinstance(t, torch.Tensor) and t.dim() > 0}
+def _empty_leaves(leaves: Sequence[Any]) -> list[Any]:
+    """Fresh batches of no elements: batch dimension 0, other dimensions and dtypes kept."""
+    return [x[0:0] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in leaves]
+
+
+def _is_flat(batch: Any) -> bool:
+    """Whether `batch` is a plain tuple or list of plain tensors (the common case)."""
+    kind = type(batch)
+    return (kind is tuple or kind is list) and all(type(x) is torch.Tensor for x in batch)
+
+
+def _leaves(batch: Any) -> list[Any]:
+    """`flatten`, with shortcuts for a tensor and a flat tuple or list of tensors."""
+    if type(batch) is torch.Tensor:
+        return [batch]
+    if _is_flat(batch):
+        return list(batch)
+    return flatten(batch)
+
+
+def _pack(structure: Any, leaves: Sequence[Any]) -> Any:
+    """`pack_sequence_as`, with the shortcuts of `_leaves`."""
+    if type(structure) is torch.Tensor:
+        return leaves[0]
+    if _is_flat(structure):
+        return type(structure)(leaves)
+    return pack_sequence_as(structure, leaves)
+
+
+def _all_on_cpu(leaves: Iterable[Any]) -> bool:
+    return all(x.is_cpu for x in leaves if isinstance(x, torch.Tensor))
+
+
+def _from_numpy(leaves: Sequence[Any]) -> list[Any]:
+    return [torch.from_numpy(x) if isinstance(x, np.ndarray) else x for x in leaves]
+
+
+def _normalize(batch: Any) -> Any:
+    """The batch with NumPy arrays made tensors (the same object when there are none)."""
+    leaves = _leaves(batch)
+    if not any(isinstance(x, np.ndarray) for x in leaves):
+        return batch
+    return pack_sequence_as(batch, _from_numpy(leaves))
+
+
+def _leaves_len(leaves: Sequence[Any], batch: Any) -> int:
+    lengths = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0}
+    if len(lengths) == 1:
+        return lengths.pop()
     if not lengths:
         raise InvalidArgumentError(
             "A batch needs at least one tensor (or NumPy array) with a batch dimension to be "
             f"split across replicas; got {_describe(batch)}."
         )
-    if len(lengths) > 1:
-        raise InvalidArgumentError(
-            f"The tensors of a batch must share their first (batch) dimension; got sizes "
-            f"{sorted(lengths)} in {_describe(batch)}."
-        )
-    return lengths.pop()
+    raise InvalidArgumentError(
+        f"The tensors of a batch must share their first (batch) dimension; got sizes "
+        f"{sorted(lengths)} in {_describe(batch)}."
+    )
 
 
 def _describe(batch: Any) -> str:
@@ -201,50 +331,18 @@ def _describe(batch: Any) -> str:
     return f"{type(batch).__name__}({', '.join(parts)}{more})"
 
 
-def _normalize(batch: Any) -> Any:
-    leaves = flatten(batch)
-    if not any(isinstance(x, np.ndarray) for x in leaves):
-        return batch
-    return pack_sequence_as(batch, [_as_tensor_leaf(x) for x in leaves])
+def _slice_leaves(leaves: Sequence[Any], start: int, stop: int) -> list[Any]:
+    return [x[start:stop] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in leaves]
 
 
-def _slice(batch: Any, start: int, stop: int) -> Any:
-    leaves = flatten(batch)
-    return pack_sequence_as(
-        batch, [x[start:stop] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in leaves]
-    )
-
-
-def _split(batch: Any, sizes: Sequence[int]) -> list[Any]:
-    if len(sizes) == 1:
-        return [batch]
-    leaves = flatten(batch)
-    columns = [
-        list(torch.split(x, list(sizes)))
-        if isinstance(x, torch.Tensor) and x.dim() > 0
-        else [x] * len(sizes)
-        for x in leaves
-    ]
-    return [pack_sequence_as(batch, [column[r] for column in columns]) for r in range(len(sizes))]
-
-
-def _empty_like(batch: Any) -> Any:
-    return _slice(batch, 0, 0)
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    leaves = flatten(batch)
-    if not any(isinstance(x, torch.Tensor) and x.device != device for x in leaves):
-        return batch
-    moved = []
-    for x in leaves:
-        if isinstance(x, torch.Tensor) and x.device != device:
-            if device.type == "cuda" and x.device.type == "cpu":
-                x = x.pin_memory().to(device, non_blocking=True)
-            else:
-                x = x.to(device)
-        moved.append(x)
-    return pack_sequence_as(batch, moved)
+def _to_device(x: Any, device: torch.device) -> Any:
+    if not isinstance(x, torch.Tensor) or (
+        x.is_cpu if device.type == "cpu" else x.device == device
+    ):
+        return x
+    if device.type == "cuda" and x.is_cpu:
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
 
 
 def _spec(batch: Any, batch_dim: int | None) -> Any:
@@ -315,6 +413,8 @@ class _WorkerBatchSampler(Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         _set_epoch(self._inner, epoch)
+        # A plain BatchSampler has no set_epoch: reach the (seeded) sampler inside it.
+        _set_epoch(getattr(self._inner, "sampler", None), epoch)
 
     def __len__(self) -> int:
         return len(self._inner)  # type: ignore[arg-type]  # DataLoader batch samplers are sized
@@ -378,6 +478,10 @@ class _WorkerBlockIterable(IterableDataset[Any]):
             worker_index=w.worker_index,
         )
         return self._collate(chunk[start:stop])
+
+
+def _no_collate(batch: Any) -> Any:
+    return batch
 
 
 def _set_epoch(obj: Any, epoch: int) -> None:
@@ -480,7 +584,8 @@ def _loader_source(
                 dataset, loader.batch_size, loader.drop_last, loader.collate_fn, workers
             )
             return _Source(
-                _rebuild_loader(loader, dataset=block, batch_size=None),
+                # The blocks come collated: the rebuilt loader must not collate them again.
+                _rebuild_loader(loader, dataset=block, batch_size=None, collate_fn=_no_collate),
                 slice_global=False,
                 epoch_targets=[dataset],
             )
@@ -534,12 +639,50 @@ def _make_source(dataset: Any, workers: InputWorkers, policy: AutoShardPolicy) -
             "batch_size)."
         )
     multi = workers.num_workers > 1 and policy is not AutoShardPolicy.OFF
-    return _Source(dataset, slice_global=multi, epoch_targets=[dataset])
+    iterable = _Replay(dataset) if isinstance(dataset, Iterator) else dataset
+    return _Source(iterable, slice_global=multi, epoch_targets=[dataset])
+
+
+class _Replay:
+    """A one-shot iterator (a generator, say) as a source: peeking loses no batch.
+
+    What `peek` reads to infer the element structure is yielded next.
+    """
+
+    def __init__(self, iterator: Iterator[Any]) -> None:
+        self._iterator = iterator
+        self._peeked: collections.deque[Any] = collections.deque()
+
+    def peek(self) -> Any:
+        if not self._peeked:
+            try:
+                self._peeked.append(next(self._iterator))
+            except StopIteration:
+                return _MISSING
+        return self._peeked[0]
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            if self._peeked:
+                yield self._peeked.popleft()
+                continue
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                return
+            yield batch
+
+
+def _first_batch(iterable: Iterable[Any]) -> Any:
+    """The first batch of a re-iterable (or `_Replay`) source, or `_MISSING`."""
+    if isinstance(iterable, _Replay):
+        return iterable.peek()
+    for batch in iterable:
+        return batch
+    return _MISSING
 
 
 # -- iterators --------------------------------------------------------------------------
-
-_MISSING = object()
 
 
 class DistributedIterator:
@@ -560,21 +703,23 @@ class DistributedIterator:
 
     def __init__(
         self,
-        pull: Callable[[], list[Any]],
+        read: Callable[[], _Step | None],  # this worker's next step, None when it has none
         workers: InputWorkers,
         options: InputOptions,
         template: Callable[[], Any],
         spec_batch_dim: int | None,
         prefetch: bool,
     ) -> None:
-        self._pull = pull
+        self._read = read
         self._workers = workers
         self._options = options
         self._template_fn = template
-        self._template: Any = _MISSING
+        # An empty batch of the data's structure, as (structure, leaves).
+        self._template: tuple[Any, list[Any]] | None = None
         self._spec_batch_dim = spec_batch_dim
-        self._buffer: collections.deque[list[Any]] = collections.deque()
+        self._buffer: collections.deque[_Step] = collections.deque()
         self._depth = options.experimental_per_replica_buffer_size if prefetch else 0
+        self._cpu_only = all(d.type == "cpu" for d in workers.devices)
         self._done = False
         self._element_spec: Any = None
 
@@ -594,7 +739,7 @@ class DistributedIterator:
             if ahead is None:
                 break
             self._buffer.append(ahead)
-        return self._wrap(step)
+        return step.value()
 
     def get_next(self) -> Any:
         """The next step's element; raises `StopIteration` at the end of data."""
@@ -611,35 +756,36 @@ class DistributedIterator:
     def element_spec(self) -> Any:
         """`TensorSpec` nest of one replica's element (known after the first step)."""
         if self._element_spec is None:
-            self._element_spec = _spec(self._empty_template(), self._spec_batch_dim)
+            structure, empty = self._empty_template()
+            self._element_spec = _spec(_pack(structure, empty), self._spec_batch_dim)
         return self._element_spec
 
-    def _empty_template(self) -> Any:
-        if self._template is _MISSING:
-            self._template = _empty_like(self._template_fn())
+    def _empty_template(self) -> tuple[Any, list[Any]]:
+        if self._template is None:
+            batch = self._template_fn()
+            self._template = (batch, _empty_leaves(_leaves(batch)))
         return self._template
 
-    def _prepare(self) -> list[Any] | None:
+    def _prepare(self) -> _Step | None:
         if self._done:
             return None
-        pieces = self._pull()
-        have = sum(p is not _MISSING for p in pieces)
-        total = self._workers.sum_across_workers(have)
-        if total == 0:
+        step = self._read()
+        local = self._workers.local_replicas
+        have = 0 if step is None else local - len(step.missing)
+        if self._workers.sum_across_workers(have) == 0:
             self._done = True
             return None
-        for p in pieces:
-            if p is not _MISSING and self._template is _MISSING:
-                self._template = _empty_like(p)
-        pieces = [self._empty_template() if p is _MISSING else p for p in pieces]
+        if self._template is None and step is not None and have:
+            self._template = (step.structure, step.empty_leaves())
+        if step is None or step.missing:
+            structure, empty = self._empty_template()
+            if step is None:
+                columns = [[_MISSING] * local for _ in empty]
+                step = _Step(structure, columns, local, missing=range(local))
+            step = step.filled(structure, empty)
         if self._options.experimental_fetch_to_device:
-            pieces = [_to_device(p, d) for p, d in zip(pieces, self._workers.devices)]
-        return pieces
-
-    def _wrap(self, pieces: list[Any]) -> Any:
-        if len(pieces) == 1:
-            return pieces[0]
-        return regroup(pieces, PerReplica)
+            step = step.to(self._workers.devices, self._cpu_only)
+        return step
 
 
 class DistributedDataset:
@@ -679,34 +825,51 @@ class DistributedDataset:
         batches = self._source.batches(self._epoch)
         workers = self._workers
         slice_global = self._source.slice_global
+        local = workers.local_replicas
         exhausted = False
 
-        def pull() -> list[Any]:
+        def read() -> _Step | None:
             nonlocal exhausted
-            missing = [_MISSING] * workers.local_replicas
-            while not exhausted:
-                try:
-                    batch = _normalize(next(batches))
-                except StopIteration:
-                    exhausted = True
-                    break
-                if slice_global:
-                    start, stop = sharding.worker_slice(
-                        _batch_len(batch),
-                        num_workers=workers.num_workers,
-                        local_replicas=workers.local_replicas,
-                        worker_index=workers.worker_index,
-                    )
-                    batch = _slice(batch, start, stop)
-                if workers.local_replicas == 1:
-                    return [batch]
-                return _split(
-                    batch, sharding.split_sizes(_batch_len(batch), workers.local_replicas)
+            if exhausted:
+                return None
+            try:
+                batch = next(batches)
+            except StopIteration:
+                exhausted = True
+                return None
+            nest = batch
+            if type(batch) is torch.Tensor:
+                leaves = [batch]
+            elif _is_flat(batch):
+                leaves = list(batch)
+            else:
+                leaves = flatten(batch)
+                if any(isinstance(x, np.ndarray) for x in leaves):
+                    leaves = _from_numpy(leaves)
+                    nest = None
+            if slice_global:
+                start, stop = sharding.worker_slice(
+                    _leaves_len(leaves, batch),
+                    num_workers=workers.num_workers,
+                    local_replicas=local,
+                    worker_index=workers.worker_index,
                 )
-            return missing
+                leaves = _slice_leaves(leaves, start, stop)
+                nest = None
+            if local == 1:
+                return _Step(batch, [(x,) for x in leaves], 1, nest=nest)
+            sizes = _split_sizes(_leaves_len(leaves, batch), local)
+            columns = [
+                x.split_with_sizes(sizes)
+                if isinstance(x, torch.Tensor) and x.dim() > 0
+                else (x,) * local
+                for x in leaves
+            ]
+            # The pieces are views of the leaves: one device check for all of them.
+            return _Step(batch, columns, local, on_cpu=_all_on_cpu(leaves))
 
         return DistributedIterator(
-            pull, workers, self._options, self._peek, self._batch_dim(), prefetch=True
+            read, workers, self._options, self._peek, self._batch_dim(), prefetch=True
         )
 
     def _batch_dim(self) -> int | None:
@@ -725,7 +888,8 @@ class DistributedDataset:
             loader = self._dataset
             if loader.batch_size is not None and len(loader.dataset) > 0:  # type: ignore[arg-type]
                 return _normalize(loader.collate_fn([loader.dataset[0]]))
-        for batch in self._source.iterable:
+        batch = _first_batch(self._source.iterable)
+        if batch is not _MISSING:
             return _normalize(batch)
         raise InvalidArgumentError(
             f"Worker {self._workers.worker_index} has no data to infer the element structure "
@@ -790,6 +954,7 @@ class DistributedDatasetsFromFunction:
                     "DataLoader, say), got "
                     f"{type(pipeline).__name__}."
                 )
+        self._pipelines = [_Replay(p) if isinstance(p, Iterator) else p for p in self._pipelines]
         self._epoch = -1
 
     def __iter__(self) -> DistributedIterator:
@@ -810,21 +975,36 @@ class DistributedDatasetsFromFunction:
                 done[k] = True
                 return _MISSING
 
-        def pull() -> list[Any]:
-            if len(iterators) == 1:
-                return [take(0) for _ in range(local)]
-            return [take(k) for k in range(local)]
+        def read() -> _Step | None:
+            batches = [take(0 if len(iterators) == 1 else r) for r in range(local)]
+            present = [r for r, b in enumerate(batches) if b is not _MISSING]
+            if not present:
+                return None
+            first = batches[present[0]]
+            for r in present[1:]:
+                assert_same_structure(
+                    first, batches[r], f"batches of replica {present[0]} and replica {r}"
+                )
+            per_replica = [_leaves(b) if b is not _MISSING else None for b in batches]
+            columns = [
+                [_MISSING if leaves is None else leaves[i] for leaves in per_replica]
+                for i in range(len(per_replica[present[0]] or ()))
+            ]
+            missing = [r for r in range(local) if batches[r] is _MISSING]
+            nest = first if local == 1 else None
+            return _Step(first, columns, local, missing=missing, nest=nest)
 
         def template() -> Any:
             for p in self._pipelines:
-                for batch in p:
+                batch = _first_batch(p)
+                if batch is not _MISSING:
                     return _normalize(batch)
             raise InvalidArgumentError(
                 "dataset_fn produced no data to infer the element structure from."
             )
 
         return DistributedIterator(
-            pull, self._workers, self._options, template, None, prefetch=False
+            read, self._workers, self._options, template, None, prefetch=False
         )
 
 
