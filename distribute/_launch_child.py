@@ -1,11 +1,16 @@
 """Entry point of a worker started by `distribute.launch.run`.
 
-Usage (by the launcher only): ``python -m distribute._launch_child PAYLOAD RESULT``.
+Usage (by the launcher only)::
+
+    python -m distribute._launch_child PAYLOAD RESULT PARENT_PID
+
 PAYLOAD holds two pickles: the parent's ``sys.path`` and script path (plain
-strings, so they load before anything is imported), then ``(fn, args, kwargs)``, whose unpickling
-imports ``fn``'s module from that path. The outcome, ``{"ok": True, "value": ...}``
-or the exception's type, message and traceback, is written to RESULT under a
-temporary name and renamed, so the parent never reads half a file.
+strings, so they load before anything is imported), then ``(fn, args, kwargs)``,
+whose unpickling imports ``fn``'s module from that path. The outcome,
+``{"ok": True, "value": ...}`` or the exception's type, message and traceback, is
+written to RESULT under a temporary name and renamed, so the parent never reads
+half a file. A daemon thread ends the worker if PARENT_PID dies, so a killed
+parent leaves no orphans.
 """
 
 from __future__ import annotations
@@ -14,8 +19,12 @@ import importlib.util
 import os
 import pickle
 import sys
+import threading
+import time
 import traceback
 from typing import Any
+
+_ORPHAN_CHECK_SECONDS = 1.0
 
 
 def _write(path: str, outcome: dict[str, Any]) -> None:
@@ -38,8 +47,18 @@ def _import_main(path: str) -> None:
     sys.modules["__main__"] = module
 
 
+def _exit_with_parent(parent_pid: int) -> None:
+    """Ends this worker once the launching process is gone (reparented)."""
+    while os.getppid() == parent_pid:
+        time.sleep(_ORPHAN_CHECK_SECONDS)
+    os._exit(1)
+
+
 def main(argv: list[str]) -> int:
-    payload_path, result_path = argv
+    payload_path, result_path, parent_pid = argv
+    threading.Thread(
+        target=_exit_with_parent, args=(int(parent_pid),), name="orphan-check", daemon=True
+    ).start()
     try:
         with open(payload_path, "rb") as f:
             setup: dict[str, Any] = pickle.load(f)
@@ -51,7 +70,10 @@ def main(argv: list[str]) -> int:
         try:
             _write(result_path, {"ok": True, "value": value})
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            raise TypeError(f"the worker's return value cannot be pickled: {exc}") from exc
+            raise TypeError(
+                f"the worker's return value ({type(value).__name__}) cannot be pickled: {exc}; "
+                "return plain Python values, NumPy arrays or tensors."
+            ) from exc
     except BaseException as exc:  # report everything, SystemExit included, to the parent
         _write(
             result_path,

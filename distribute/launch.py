@@ -1,22 +1,34 @@
 """Run a function in N fresh worker processes with a ready cluster.
 
-For tests and notebooks: each worker is a new Python interpreter (spawned, never
-forked) whose environment is what torchrun (or a ``TF_CONFIG``) would give it, so
-``ds.MultiWorkerMirroredStrategy()`` inside the function finds its cluster. The
-function is pickled by reference (define it at module level); its return value
-comes back pickled. A worker's exception is re-raised here as `WorkerError` naming
-its rank, and the other workers are killed.
+For tests and notebooks. Each worker is a new Python interpreter (spawned with
+`subprocess.Popen`, never forked) whose environment is what torchrun would give
+it (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``), or a ``TF_CONFIG`` naming every
+worker at a free loopback port, plus ``OMP_NUM_THREADS=1`` unless already set. So
+``ds.MultiWorkerMirroredStrategy()`` (or `distribute.cluster_resolver.resolve_cluster`)
+inside the function finds its cluster. The environment is handed to the new
+processes; this process's ``os.environ`` is never written.
+
+The function is pickled by reference (define it at module level, in a module or
+in the script you run) together with this process's ``sys.path``, so test modules
+import in the workers. Return values come back as pickle files. A worker's
+exception is re-raised here as `WorkerError` naming its rank and carrying its
+traceback, and the other workers are killed at once (with their own child
+processes); a timeout kills every worker and names those still running. A worker
+also exits by itself if this process dies, so no orphan is left behind.
 
 Example::
 
     import distribute as ds
+    from distribute import launch
 
-    def work():
+    def work(scale):
         strategy = ds.MultiWorkerMirroredStrategy()
-        return strategy.cluster_resolver.rank
+        return strategy.cluster_resolver.rank * scale
 
     if __name__ == "__main__":
-        print(ds.launch.run(work, 2))   # [0, 1]
+        print(launch.run(work, 2, args=(10,), timeout=120))   # [0, 10]
+        print(launch.run(work, 2, args=(1,), launcher="tf_config"))   # [0, 1]
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -56,9 +69,17 @@ _LAUNCHER_VARIABLES = (
     "SLURM_STEP_TASKS_PER_NODE",
 )
 
+_LAUNCHERS = ("torchrun", "tf_config")
+_POLL_SECONDS = 0.02
+
 
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct free TCP ports on the loopback interface."""
+    """``count`` distinct TCP ports that are free on the loopback interface now.
+
+    Example::
+
+        master_port, = free_ports(1)
+    """
     sockets = []
     try:
         for _ in range(count):
@@ -74,7 +95,7 @@ def free_ports(count: int) -> list[int]:
 def _worker_env(
     rank: int, num_workers: int, launcher: str, ports: Sequence[int], extra: Mapping[str, str]
 ) -> dict[str, str]:
-    # The child's environment is built here and handed to Popen; os.environ is not written.
+    """The environment of worker ``rank`` (built here and handed to Popen)."""
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
     env.setdefault("OMP_NUM_THREADS", "1")
     if launcher == "torchrun":
@@ -102,8 +123,8 @@ def _main_path(fn: Callable[..., Any]) -> str | None:
     path = getattr(sys.modules["__main__"], "__file__", None)
     if path is None:
         raise InvalidArgumentError(
-            "launch.run cannot send a function defined interactively (in a notebook or the "
-            "REPL) to new processes; define it in a module and import it."
+            f"launch.run cannot send {getattr(fn, '__qualname__', fn)!r}, defined interactively "
+            "(in a notebook or the REPL), to new processes; define it in a module and import it."
         )
     return str(path)
 
@@ -137,41 +158,55 @@ def run(
         launcher: ``"torchrun"`` (RANK, WORLD_SIZE, MASTER_ADDR, ... variables) or
             ``"tf_config"`` (one ``TF_CONFIG`` per worker).
         timeout: seconds before every worker is killed; None waits forever.
-        env: extra environment variables for the workers.
-        allow_missing: a worker that exits with status 0 without returning (it
-            called ``os._exit(0)``) gives ``None`` instead of an error.
+        env: extra environment variables for the workers (they win over the
+            launcher's).
+        allow_missing: a worker that exits without a result (``os._exit``, a
+            crash, a kill) gives ``None`` instead of an error, and the others
+            keep running: for tests of what the survivors of a death see. An
+            exception raised by ``fn`` is still an error.
 
     Returns:
         The workers' return values in rank order.
 
     Raises:
+        InvalidArgumentError: bad arguments, or ``fn``/``args`` cannot be pickled.
         WorkerError: a worker raised or crashed (its rank and traceback are in the
             message), or the timeout passed (the ranks still running are named).
 
     Example::
 
-        results = ds.launch.run(work, 2, args=(3,), timeout=60)
+        # in a module: def square(x): return x * x
+        launch.run(square, 2, args=(3,), timeout=60)   # [9, 9]
     """
     if num_workers < 1:
-        raise InvalidArgumentError(f"num_workers must be >= 1, got {num_workers}.")
-    if launcher not in ("torchrun", "tf_config"):
-        raise InvalidArgumentError(f"launcher must be 'torchrun' or 'tf_config', got {launcher!r}.")
+        raise InvalidArgumentError(
+            f"num_workers must be at least 1, got {num_workers}; pass how many worker processes "
+            "to start."
+        )
+    if launcher not in _LAUNCHERS:
+        raise InvalidArgumentError(
+            f"launcher must be one of {_LAUNCHERS}, got {launcher!r}; 'torchrun' sets RANK, "
+            "WORLD_SIZE, ... and 'tf_config' sets TF_CONFIG."
+        )
+    if timeout is not None and timeout <= 0:
+        raise InvalidArgumentError(f"timeout must be positive seconds or None, got {timeout}.")
+    setup = {"sys_path": list(sys.path), "main_path": _main_path(fn)}
+    try:
+        payload_bytes = pickle.dumps(setup) + pickle.dumps((fn, tuple(args), dict(kwargs or {})))
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise InvalidArgumentError(
+            f"launch.run needs a module-level function and picklable arguments, but pickling "
+            f"{getattr(fn, '__qualname__', fn)!r} failed: {exc}. Define the function at module "
+            "level (not a lambda or a nested function)."
+        ) from exc
     with tempfile.TemporaryDirectory(prefix="distribute-launch-") as tmp:
         root = Path(tmp)
         payload = root / "payload.pkl"
-        try:
-            payload.write_bytes(
-                pickle.dumps({"sys_path": list(sys.path), "main_path": _main_path(fn)})
-                + pickle.dumps((fn, tuple(args), dict(kwargs or {})))
-            )
-        except (pickle.PicklingError, AttributeError, TypeError) as exc:
-            raise InvalidArgumentError(
-                f"launch.run needs a module-level function and picklable arguments: {exc}"
-            ) from exc
+        payload.write_bytes(payload_bytes)
         ports = free_ports(num_workers if launcher == "tf_config" else 1)
-        procs: list[subprocess.Popen[bytes]] = []
         logs = [root / f"worker-{r}.log" for r in range(num_workers)]
-        results_paths = [root / f"result-{r}.pkl" for r in range(num_workers)]
+        results = [root / f"result-{r}.pkl" for r in range(num_workers)]
+        procs: list[subprocess.Popen[bytes]] = []
         try:
             for rank in range(num_workers):
                 with open(logs[rank], "wb") as log:
@@ -182,21 +217,32 @@ def run(
                                 "-m",
                                 "distribute._launch_child",
                                 str(payload),
-                                str(results_paths[rank]),
+                                str(results[rank]),
+                                str(os.getpid()),
                             ],
                             env=_worker_env(rank, num_workers, launcher, ports, env or {}),
+                            stdin=subprocess.DEVNULL,
                             stdout=log,
                             stderr=subprocess.STDOUT,
+                            start_new_session=True,  # one process group per worker: kill it whole
                         )
                     )
-            _wait(procs, logs, results_paths, timeout, allow_missing)
-            return [_load_result(p, allow_missing) for p in results_paths]
+            _wait(procs, logs, results, timeout, allow_missing)
+            return [_load_result(p) for p in results]
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-            for proc in procs:
-                proc.wait()
+            _kill(procs)
+
+
+def _kill(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """Kills every worker still running, with its children, and reaps them."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                proc.kill()
+    for proc in procs:
+        proc.wait()
 
 
 def _wait(
@@ -206,33 +252,51 @@ def _wait(
     timeout: float | None,
     allow_missing: bool,
 ) -> None:
+    """Returns when every worker exited with a result; raises on the first failure."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        running = []
+        running: list[int] = []
+        failures: list[str] = []
         for rank, proc in enumerate(procs):
             code = proc.poll()
             if code is None:
                 running.append(rank)
                 continue
-            outcome = _read(results[rank])
-            if outcome is not None and not outcome["ok"]:
-                raise WorkerError(
-                    f"worker rank {rank} raised {outcome['type']}: {outcome['message']}\n"
-                    f"--- traceback of rank {rank} ---\n{outcome['traceback']}"
-                )
-            if code != 0 or (outcome is None and not allow_missing):
-                raise WorkerError(
-                    f"worker rank {rank} exited with status {code} without a result; its last "
-                    f"output:\n{_tail(logs[rank])}"
-                )
+            failure = _failure(rank, code, _read(results[rank]), logs[rank], allow_missing)
+            if failure is not None:
+                failures.append(failure)
+        if failures:
+            also = f"\n(other ranks had failed too by then: {len(failures) - 1})"
+            raise WorkerError(failures[0] + (also if len(failures) > 1 else ""))
         if not running:
             return
         if deadline is not None and time.monotonic() > deadline:
             raise WorkerError(
                 f"launch.run timed out after {timeout} s; ranks {running} were still running "
-                f"and were killed. Last output of rank {running[0]}:\n{_tail(logs[running[0]])}"
+                f"and were killed. Raise the timeout if the work is legitimately slow. Last "
+                f"output of rank {running[0]}:\n{_tail(logs[running[0]])}"
             )
-        time.sleep(0.05)
+        time.sleep(_POLL_SECONDS)
+
+
+def _failure(
+    rank: int, code: int, outcome: dict[str, Any] | None, log: Path, allow_missing: bool
+) -> str | None:
+    """The error message for an exited worker, or None when it succeeded."""
+    if outcome is not None and not outcome["ok"]:
+        return (
+            f"worker rank {rank} raised {outcome['type']}: {outcome['message']}\n"
+            f"--- traceback of rank {rank} ---\n{outcome['traceback']}"
+        )
+    if outcome is None and not allow_missing:
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        return f"worker rank {rank} {how} without a result; its last output:\n{_tail(log)}"
+    if outcome is not None and code != 0:
+        return (
+            f"worker rank {rank} returned a result but then exited with status {code} (a crash "
+            f"while shutting down); its last output:\n{_tail(log)}"
+        )
+    return None
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -243,8 +307,6 @@ def _read(path: Path) -> dict[str, Any] | None:
     return outcome
 
 
-def _load_result(path: Path, allow_missing: bool) -> Any:
+def _load_result(path: Path) -> Any:
     outcome = _read(path)
-    if outcome is None:
-        return None
-    return outcome["value"]
+    return None if outcome is None else outcome["value"]

@@ -2,25 +2,49 @@
 
 `ProcessGroupCollectives` is what `MultiWorkerMirroredStrategy` plugs into its
 replica engine: all-reduce (packed), asynchronous all-reduce (gradient buckets),
-all-gather of tensors whose sizes differ along one axis, broadcast, and the small
-integer sum the input pipeline uses to agree on the end of data.
+all-gather of tensors whose sizes differ along one axis, broadcast, the small
+integer sum the input pipeline uses to agree on the end of data, and a layout
+check.
 
 # NOTE [no silent hangs]
-Every collective completes or raises within ``timeout_seconds``:
+Every collective completes or raises within ``timeout_seconds``, and the error
+names the operation and the ranks that never arrived, saying whether each is
+dead, alive but elsewhere, or not answering.
 
-* The process group is created with a timeout a little shorter than the
-  strategy's, so gloo (or nccl) gives up on its own.
-* When a collective fails (a timeout, or a peer's connection closing because it
-  died), the rank posts ``(sequence number, operation)`` to the rendezvous store
-  and waits a short grace period for the other ranks to post theirs. Ranks that
-  failed in the same collective post the same sequence number; a rank that is
-  dead, or stuck elsewhere, posts nothing (or an older number) and is named as
-  missing. Nothing is written to the store on the hot path.
-* Mismatched calls (different shapes, dtypes, structures or operations on
-  different ranks) are caught before the data moves: the ranks exchange a 64-bit
-  hash of their call's signature with one tiny all-gather; on a mismatch every
-  rank posts its description to the store and raises an error naming both ranks.
-  Hot paths whose layout was checked once (gradient buckets) skip the check.
+* Hot path. A collective is launched with ``async_op=True`` and waited for in
+  slices of a quarter second (``Work.wait(timeout)``); a collective that finishes
+  inside the first slice costs what ``torch.distributed`` costs. Nothing is
+  written to the store and no extra message is exchanged while collectives
+  succeed (apart from the signature check below, which hot paths skip).
+* Failure path (`distribute.collectives._liveness`). A rank gives up when the
+  backend raises (a peer's connection closed: it died) or when its deadline, the
+  timeout less a short grace period (at most 1 s), passes. It then probes every
+  other rank's *watcher*, a daemon thread blocked in ``accept()`` on a socket
+  whose address was exchanged once at start-up. A refused connection means the
+  process is gone, so a death is named within milliseconds; a live watcher
+  answers with the collective its main thread is in (or the last one it
+  finished), so a stuck rank is named as alive and located. A probe also tells
+  every rank blocked in a collective to stop waiting, so ranks that gloo does not
+  connect directly to the dead one fail within a quarter second too, quoting the
+  prober's verdict. After a failure the group is marked broken and later
+  collectives raise at once.
+* Why not ``monitored_barrier`` or arrival marks in the store: a monitored
+  barrier is a collective (a round trip on every call, and no help with a peer
+  stuck inside the data collective), and arrival marks written to the store
+  before every collective put a store round trip on the hot path. Watchers that
+  block on the store itself were tried too: they print c10d warnings whenever
+  rank 0, which serves the store, exits first, and they cannot tell a dead rank
+  from a slow one. The socket watcher costs one idle thread and one idle socket.
+* Mismatch. Before the data moves, the ranks exchange a 64-bit hash of their
+  call (operation, name, dtypes, shapes) with one 8-byte all-gather (16 bytes for
+  `all_gather`, whose per-rank sizes ride along). On a mismatch every rank posts
+  a description of its call to the store and raises `CollectiveMismatchError`
+  naming both ranks. Pass ``check=False`` where the layout was checked once
+  (gradient buckets do this with `check_same`).
+
+With the nccl backend, waits are not sliced (``Work.wait`` only orders CUDA
+streams); the process group's own timeout (its watchdog) ends a hang, and the
+failure is then diagnosed the same way. This path is untested here (no GPU).
 
 Example::
 
@@ -33,32 +57,54 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+import weakref
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C import _distributed_c10d as _c10d
+from torch._C._distributed_c10d import PrefixStore, Store
 
 from distribute._enums import ReduceOp
+from distribute.collectives._liveness import (
+    Liveness,
+    Position,
+    WatchState,
+    diagnose,
+    local_address_towards,
+    mismatch_error,
+)
+from distribute.collectives._rendezvous import rendezvous
 from distribute.collectives.packing import pack_by_bytes
-from distribute.errors import CollectiveMismatchError, CollectiveTimeoutError, InvalidArgumentError
+from distribute.errors import CollectiveTimeoutError, InvalidArgumentError
 
-__all__ = ["ProcessGroupCollectives", "AllReduceHandle"]
+__all__ = ["AllReduceHandle", "ProcessGroupCollectives"]
 
 logger = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
+#: How long one wait lasts before the rank checks whether a peer gave up.
+_SLICE = datetime.timedelta(seconds=0.25)
+#: The longest time a failing rank waits for the others to answer its probe.
+_GRACE_SECONDS = 1.0
 
-#: How long a failing rank waits for the others to report where they are.
-_GRACE_SECONDS = 2.0
+
+#: torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+def _store_host(store: Store) -> str:
+    """The host serving ``store`` (a TCPStore, possibly behind PrefixStores)."""
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    return str(getattr(store, "host", "127.0.0.1"))
 
 
 def _grace(timeout_seconds: float) -> float:
     """The part of the timeout kept for the failure diagnosis."""
-    return min(_GRACE_SECONDS, timeout_seconds * 0.25)
+    return min(_GRACE_SECONDS, timeout_seconds * 0.2)
 
 
 def _signature_hash(signature: Any) -> int:
@@ -66,12 +112,33 @@ def _signature_hash(signature: Any) -> int:
     return int.from_bytes(digest, "little", signed=True)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _items(tensors: Sequence[torch.Tensor]) -> list[str]:
+    return [f"{_dtype_name(t.dtype)}{list(t.shape)}" for t in tensors]
+
+
 def _describe(tensors: Sequence[torch.Tensor]) -> str:
-    return (
-        "["
-        + ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors)
-        + "]"
-    )
+    parts = _items(tensors)
+    return parts[0] if len(parts) == 1 else "[" + ", ".join(parts) + "]"
+
+
+def _flatten(tensors: Sequence[torch.Tensor], copy: bool) -> torch.Tensor:
+    parts = [t.detach().reshape(-1) for t in tensors]
+    if len(parts) > 1:
+        return torch.cat(parts)
+    return parts[0].clone() if copy else parts[0]
+
+
+def _unflatten(flat: torch.Tensor, templates: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out = []
+    offset = 0
+    for t in templates:
+        out.append(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return out
 
 
 class AllReduceHandle:
@@ -84,16 +151,16 @@ class AllReduceHandle:
         flat: torch.Tensor,
         templates: list[torch.Tensor],
         op: ReduceOp,
-        name: str,
-        seq: int,
+        position: Position,
+        start: float,
     ) -> None:
         self._owner = owner
         self._work = work
         self._flat = flat
         self._templates = templates
         self._op = op
-        self._name = name
-        self._seq = seq
+        self._position = position
+        self._start = start
 
     def wait(self) -> list[torch.Tensor]:
         """Blocks until the all-reduce is done.
@@ -101,53 +168,100 @@ class AllReduceHandle:
         Raises:
             CollectiveTimeoutError: a peer never arrived (it is named).
         """
-        self._owner._guard(self._seq, "all_reduce", self._name, self._work.wait)
-        flat = self._owner._finish_reduce(self._flat, self._op)
+        if self._work is not None:
+            self._owner._wait(self._work, self._position, self._start)
+            self._owner._finished(self._position)
+        device = self._templates[0].device
+        flat = self._owner._finish_reduce(self._flat, self._op).to(device)
         return _unflatten(flat, self._templates)
 
 
-def _unflatten(flat: torch.Tensor, templates: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    out = []
-    offset = 0
-    for t in templates:
-        out.append(flat[offset : offset + t.numel()].view(t.shape))
-        offset += t.numel()
-    return out
+def _close(
+    liveness: Liveness | None, owns_group: bool, group: dist.ProcessGroup | None, state: list[Any]
+) -> None:
+    """Stops the watcher and destroys the group (the finalizer of a collectives object)."""
+    if liveness is not None:
+        liveness.stop()
+    if owns_group and dist.is_initialized():
+        if state[0] is not None:
+            # A collective was abandoned mid-flight: destroying the group would wait for it.
+            logger.debug("not destroying a broken process group: %s", state[0])
+            return
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # interpreter shutdown, or the group already broke
+            logger.debug("destroy_process_group failed", exc_info=True)
 
 
 class ProcessGroupCollectives:
     """Collectives among the worker processes of one process group.
 
-    Build it with `create` (or `adopt` for a group the user initialised). Every
-    method must be called by every rank in the same order, as with
-    `torch.distributed`.
+    Build it with `create` (which adopts an already initialised default group) or
+    `adopt`. Every method must be called by every rank in the same order, as with
+    `torch.distributed`; each call is one numbered *collective* in the messages.
 
     Args:
-        store: the rendezvous store (used only on failure paths).
+        group: the process group (None: the default group).
+        store: the rendezvous store, used only on failure paths (None disables
+            the diagnosis of missing ranks).
         rank: this process's rank.
         world_size: the number of processes.
         backend: ``"gloo"`` or ``"nccl"``.
         timeout_seconds: how long a collective may take before it raises.
-        owns_group: whether `shutdown` destroys the default process group.
+        owns_group: whether `shutdown` destroys the group.
+        host: the address other ranks reach this one at (for the failure
+            diagnosis); None: this machine's address on the route to the store.
+
+    Example::
+
+        c = ProcessGroupCollectives.create(rank, 2, "127.0.0.1", 29500, timeout_seconds=60)
+        # rank 0 passes [1., 1.], rank 1 passes [2., 2.]; both get [3., 3.]
+        total, = c.all_reduce([torch.full((2,), rank + 1.0)], ReduceOp.SUM, name="x")
+        c.shutdown()
     """
 
     def __init__(
         self,
-        store: Any,
+        group: dist.ProcessGroup | None,
+        store: Store | None,
         rank: int,
         world_size: int,
         backend: str,
         timeout_seconds: float,
         owns_group: bool,
+        host: str | None = None,
     ) -> None:
-        self._store = _c10d.PrefixStore("distribute/", store) if store is not None else None
+        if timeout_seconds <= 0:
+            raise InvalidArgumentError(
+                f"timeout_seconds must be positive, got {timeout_seconds}; pass e.g. 300."
+            )
+        self._group = group
         self._rank = rank
         self._world_size = world_size
         self._backend = backend
-        self._timeout = timeout_seconds
-        self._owns_group = owns_group
-        self._seq = 0
+        self._timeout = float(timeout_seconds)
+        self._grace = _grace(self._timeout)
+        self._sliced = backend != "nccl"
+        self._counter = itertools.count(1)
         self._closed = False
+        self._broken: list[CollectiveTimeoutError | None] = [None]
+        self._liveness: Liveness | None = None
+        if store is not None and world_size > 1:
+            # The n-th collectives object of each rank shares the n-th key space.
+            generation = int(store.add(f"distribute/generation/{rank}", 1))
+            self._liveness = Liveness(
+                PrefixStore(f"distribute/{generation}/", store),
+                rank,
+                world_size,
+                host=host if host is not None else local_address_towards(_store_host(store)),
+                timeout=max(self._timeout, 30.0),
+            )
+            self._liveness.start()
+        self._state = self._liveness.state if self._liveness is not None else WatchState()
+        self._int_buffer = self._on_device(torch.zeros(1, dtype=torch.int64))
+        self._finalizer = weakref.finalize(
+            self, _close, self._liveness, owns_group, group, self._broken
+        )
 
     @classmethod
     def create(
@@ -160,18 +274,25 @@ class ProcessGroupCollectives:
         backend: str = "gloo",
         timeout_seconds: float = 300.0,
     ) -> ProcessGroupCollectives:
-        """Joins (or, on rank 0, serves) the rendezvous and creates the process group.
+        """Joins (rank 0: serves) the rendezvous at ``master_addr:master_port`` and
+        creates the default process group.
 
         Adopts the default group instead when `torch.distributed` is already
         initialised with the same rank and world size.
 
+        Raises:
+            InvalidArgumentError: a bad rank, or a group initialised differently.
+            CollectiveTimeoutError: some ranks did not join within the timeout
+                (they are named).
+
         Example::
 
-            collectives = ProcessGroupCollectives.create(0, 1, "127.0.0.1", 29500)
+            c = ProcessGroupCollectives.create(0, 1, "127.0.0.1", 29500)
         """
         if world_size < 1 or not 0 <= rank < world_size:
             raise InvalidArgumentError(
-                f"rank must be in [0, world_size={world_size}), got rank {rank}."
+                f"rank must be in [0, world_size={world_size}), got rank {rank}; check the "
+                "cluster resolver's RANK and WORLD_SIZE."
             )
         if dist.is_available() and dist.is_initialized():
             if dist.get_rank() != rank or dist.get_world_size() != world_size:
@@ -180,159 +301,181 @@ class ProcessGroupCollectives:
                     f"{dist.get_world_size()}, but the cluster says rank {rank} of {world_size}; "
                     "destroy the existing group or pass a matching cluster resolver."
                 )
-            return cls(
-                None, rank, world_size, dist.get_backend(), timeout_seconds, owns_group=False
-            )
-        group_timeout = timeout_seconds - _grace(timeout_seconds)
-        store = _c10d.TCPStore(
-            master_addr,
-            master_port,
-            world_size,
-            is_master=rank == 0,
-            timeout=datetime.timedelta(seconds=max(timeout_seconds, 30.0)),
-        )
+            return cls.adopt(timeout_seconds=timeout_seconds)
+        store = rendezvous(rank, world_size, master_addr, master_port, timeout_seconds)
         dist.init_process_group(
             backend,
-            store=store,
+            store=PrefixStore("pg/", store),
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=group_timeout),
+            timeout=datetime.timedelta(seconds=timeout_seconds),
         )
-        return cls(store, rank, world_size, backend, timeout_seconds, owns_group=True)
+        return cls(
+            None,
+            store,
+            rank,
+            world_size,
+            backend,
+            timeout_seconds,
+            owns_group=True,
+            host=local_address_towards(master_addr),
+        )
+
+    @classmethod
+    def adopt(cls, *, timeout_seconds: float = 300.0) -> ProcessGroupCollectives:
+        """Wraps the default process group someone else initialised (never destroys it).
+
+        Example::
+
+            dist.init_process_group("gloo", ...)
+            c = ProcessGroupCollectives.adopt(timeout_seconds=60)
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            raise InvalidArgumentError(
+                "adopt() needs an initialised default process group, found none; call "
+                "torch.distributed.init_process_group first or use create()."
+            )
+        store: Store | None = None
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except (RuntimeError, ValueError):  # no store to share: no diagnosis of missing ranks
+            store = None
+        return cls(
+            None,
+            store,
+            dist.get_rank(),
+            dist.get_world_size(),
+            str(dist.get_backend()),
+            timeout_seconds,
+            owns_group=False,
+        )
 
     # -- identity ------------------------------------------------------------------
 
     @property
     def rank(self) -> int:
+        """This process's rank."""
         return self._rank
 
     @property
     def world_size(self) -> int:
+        """How many processes take part."""
         return self._world_size
 
     @property
     def backend(self) -> str:
+        """The process group's backend, ``"gloo"`` or ``"nccl"``."""
         return self._backend
 
-    # -- failure diagnosis -----------------------------------------------------------
+    @property
+    def timeout_seconds(self) -> float:
+        """How long a collective may take before it raises."""
+        return self._timeout
 
-    def _next_seq(self) -> int:
+    # -- bookkeeping and failure ------------------------------------------------------
+
+    def _begin(self, kind: str, name: str) -> tuple[Position, float]:
         if self._closed:
             raise InvalidArgumentError(
-                "The process group was shut down; create a new strategy to run collectives."
+                f"{kind} '{name}' was called after shutdown(); create a new strategy (or "
+                "ProcessGroupCollectives) to run collectives again."
             )
-        self._seq += 1
-        return self._seq
+        broken = self._broken[0]
+        position = (next(self._counter), f"{kind} '{name}'")
+        if broken is not None:
+            raise CollectiveTimeoutError(
+                f"{position[1]} cannot run: the process group broke in an earlier collective "
+                f"({broken}). Restart every worker."
+            )
+        if self._state.interrupt is not None:  # a peer gave up while this rank was elsewhere
+            raise self._fail(position, time.monotonic(), None)
+        return position, time.monotonic()
 
-    def _guard(self, seq: int, kind: str, name: str, fn: Callable[[], _T]) -> _T:
-        try:
-            return fn()
-        except CollectiveMismatchError:
-            raise
-        except (RuntimeError, dist.DistBackendError) as exc:
-            raise self._diagnose(seq, kind, name, exc) from exc
+    def _finished(self, position: Position) -> None:
+        self._state.waiting = None
+        self._state.done = position
 
-    def _diagnose(self, seq: int, kind: str, name: str, exc: BaseException) -> Exception:
-        what = f"{kind} '{name}' (collective #{seq})"
-        store = self._store
-        if store is None:
-            return CollectiveTimeoutError(
-                f"{what} failed on rank {self._rank}: {exc}. Check that every rank runs the same "
-                "collectives and that no process died."
-            )
-        positions: dict[int, tuple[int, str] | None] = {}
-        try:
-            grace = _grace(self._timeout)
-            store.set_timeout(datetime.timedelta(seconds=max(grace, 0.5)))
-            store.set(f"failed/{self._rank}", f"{seq}|{kind} '{name}'")
-            deadline = time.monotonic() + grace
-            while True:
-                for r in range(self._world_size):
-                    key = f"failed/{r}"
-                    if r != self._rank and store.check([key]):
-                        text = store.get(key).decode()
-                        their_seq, their_op = text.split("|", 1)
-                        positions[r] = (int(their_seq), their_op)
-                missing = [
-                    r
-                    for r in range(self._world_size)
-                    if r != self._rank and (r not in positions or positions[r][0] < seq)  # type: ignore[index]  # checked by `r not in positions`
-                ]
-                if not missing or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-        except Exception:  # the store's host (rank 0) is gone too
-            missing = [r for r in range(self._world_size) if r != self._rank and r not in positions]
-            return CollectiveTimeoutError(
-                f"{what} failed on rank {self._rank} and the rendezvous store (served by rank 0) "
-                f"is unreachable: rank 0 is probably dead. Ranks not heard from: {missing}. "
-                f"Original error: {exc}"
-            )
-        if not missing:
-            return CollectiveTimeoutError(
-                f"{what} failed on rank {self._rank}: {exc}. Every other rank reached it too; "
-                "see their errors."
-            )
-        details = "; ".join(
-            f"rank {r} is dead or stuck before it (no report)"
-            if positions.get(r) is None
-            else f"rank {r} was at collective #{positions[r][0]} {positions[r][1]}"  # type: ignore[index]  # not None here
-            for r in missing
+    def _wait(self, work: Any, position: Position, start: float) -> None:
+        """Waits for ``work`` in slices; raises a diagnosed error on failure."""
+        state = self._state
+        state.waiting = position
+        if not self._sliced:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise self._fail(position, start, exc) from exc
+            return
+        deadline = start + self._timeout - self._grace
+        while True:
+            try:
+                work.wait(_SLICE)
+                return
+            except RuntimeError as exc:
+                if work.is_completed():  # the backend failed: typically a peer died
+                    raise self._fail(position, start, exc) from exc
+            if state.interrupt is not None or time.monotonic() > deadline:
+                if work.is_completed():
+                    continue  # finished just now: collect the result (or its error)
+                raise self._fail(position, start, None)
+
+    def _fail(
+        self, position: Position, start: float, exc: BaseException | None
+    ) -> CollectiveTimeoutError:
+        """Diagnoses a failed or overdue collective; marks the group broken."""
+        error = diagnose(
+            self._liveness,
+            self._state,
+            position,
+            rank=self._rank,
+            timeout=self._timeout,
+            grace=self._grace,
+            elapsed=time.monotonic() - start,
+            exc=exc,
         )
-        return CollectiveTimeoutError(
-            f"{what} did not complete within {self._timeout:.1f} s: ranks {missing} never arrived "
-            f"({details}). Every rank must call the same collectives in the same order; raise "
-            "CommunicationOptions(timeout_seconds=...) if a rank is legitimately slow."
-        )
+        self._broken[0] = error
+        self._state.waiting = None
+        return error
 
     # -- signatures --------------------------------------------------------------------
 
     def check_same(self, signature: Any, *, name: str) -> None:
         """Raises `CollectiveMismatchError` on every rank unless all pass equal signatures.
 
+        ``signature`` is any value with a deterministic ``repr`` (lists, tuples,
+        strings, numbers).
+
         Example::
 
             collectives.check_same([("float32", 1024)], name="gradient bucket layout")
         """
-        seq = self._next_seq()
-        self._check_signature(seq, "check_same", name, signature, repr(signature))
+        position, start = self._begin("check_same", name)
+        self._check_signature(position, start, signature, ([repr(signature)], ""))
+        self._finished(position)
 
     def _check_signature(
-        self, seq: int, kind: str, name: str, signature: Any, description: str
-    ) -> None:
+        self,
+        position: Position,
+        start: float,
+        signature: Any,
+        description: tuple[list[str], str],
+        extra: Sequence[int] = (),
+    ) -> list[list[int]]:
+        """Exchanges the call's hash (and ``extra`` ints); returns every rank's ``extra``."""
         if self._world_size == 1:
-            return
-        mine = torch.tensor([_signature_hash((kind, name, signature))], dtype=torch.int64)
-        gathered = [torch.empty_like(mine) for _ in range(self._world_size)]
-        mine_dev = self._on_device(mine)
-        gathered_dev = [self._on_device(g) for g in gathered]
-        self._guard(seq, kind, name, lambda: dist.all_gather(gathered_dev, mine_dev))
-        hashes = [int(g.item()) for g in gathered_dev]
-        if all(h == hashes[0] for h in hashes):
-            return
-        odd = next(r for r, h in enumerate(hashes) if h != hashes[0])
-        descriptions = self._exchange_descriptions(seq, description, [0, odd])
-        raise CollectiveMismatchError(
-            f"{kind} '{name}': rank 0 passed {descriptions.get(0, '?')} but rank {odd} passed "
-            f"{descriptions.get(odd, '?')}; every rank must pass the same structure, shapes and "
-            "dtypes to the same collective, in the same order."
-        )
-
-    def _exchange_descriptions(self, seq: int, mine: str, ranks: Sequence[int]) -> dict[int, str]:
-        store = self._store
-        found: dict[int, str] = {self._rank: mine}
-        if store is None:
-            return found
-        try:
-            store.set(f"signature/{seq}/{self._rank}", mine)
-            store.set_timeout(datetime.timedelta(seconds=_GRACE_SECONDS * 2))
-            for r in ranks:
-                if r != self._rank:
-                    text = store.get(f"signature/{seq}/{r}").decode()
-                    found[r] = text
-        except Exception:  # a peer that never posts: describe what we have
-            logger.debug("could not read every rank's signature", exc_info=True)
-        return found
+            return [list(extra)]
+        mine = torch.tensor([_signature_hash((position[1], signature)), *extra], dtype=torch.int64)
+        gathered = self._on_device(torch.empty(self._world_size * mine.numel(), dtype=torch.int64))
+        work = _all_gather_single(gathered, self._on_device(mine), group=self._group, async_op=True)
+        self._wait(work, position, start)
+        rows = gathered.cpu().view(self._world_size, -1).tolist()
+        hashes = [row[0] for row in rows]
+        if any(h != hashes[0] for h in hashes):
+            odd = next(r for r, h in enumerate(hashes) if h != hashes[0])
+            self._state.waiting = None
+            raise mismatch_error(
+                self._liveness, position, description, rank=self._rank, odd=odd, grace=self._grace
+            )
+        return [row[1:] for row in rows]
 
     # -- data movement -----------------------------------------------------------------
 
@@ -360,45 +503,90 @@ class ProcessGroupCollectives:
         name: str,
         bytes_per_pack: int = 0,
         check: bool = True,
+        in_place: bool = False,
     ) -> list[torch.Tensor]:
         """Sums (or averages) each tensor over the ranks; returns new tensors.
 
-        Tensors of one dtype travel in packs of about ``bytes_per_pack`` bytes
-        (0: one pack per dtype), so many small tensors cost few collectives.
+        Tensors of one dtype travel together in packs of about ``bytes_per_pack``
+        bytes (0: one pack per dtype), so a thousand small tensors cost a few
+        collectives. The inputs are not modified unless ``in_place``. MEAN divides
+        by the world size (integer tensors come back as float64).
+
+        Args:
+            tensors: the tensors to reduce; every rank passes the same shapes and
+                dtypes in the same order.
+            op: `ReduceOp.SUM` or `ReduceOp.MEAN`.
+            name: what the tensors are, for error messages.
+            bytes_per_pack: pack size in bytes; 0 puts each dtype in one pack.
+            check: exchange a hash of the layout first so that a mismatch raises
+                `CollectiveMismatchError` instead of hanging; skip it on hot paths
+                whose layout was checked once.
+            in_place: write the results into ``tensors`` and return them. A
+                contiguous tensor alone in its pack is then reduced without any
+                copy (as raw ``torch.distributed.all_reduce``), which matters for
+                large tensors: a fresh output buffer costs a copy plus its page
+                faults. Not for integer tensors with MEAN.
+
+        Raises:
+            CollectiveMismatchError: ranks passed different shapes or dtypes.
+            CollectiveTimeoutError: a peer died or never arrived (it is named).
+            InvalidArgumentError: ``in_place`` MEAN of an integer tensor.
 
         Example::
 
-            total, = collectives.all_reduce([torch.ones(2)], ReduceOp.SUM, name="loss")
+            # rank 0 passes [1.], rank 1 passes [3.]
+            mean, = collectives.all_reduce([torch.tensor([1.0 + 2 * rank])], ReduceOp.MEAN,
+                                           name="loss")
+            # both ranks get tensor([2.])
         """
         tensors = list(tensors)
-        seq = self._next_seq()
+        if in_place and op is ReduceOp.MEAN and any(not t.is_floating_point() for t in tensors):
+            raise InvalidArgumentError(
+                f"all_reduce '{name}': MEAN in place needs floating-point tensors, got "
+                f"{_describe(tensors)}; the mean of integers is float64, so drop in_place."
+            )
+        position, start = self._begin("all_reduce", name)
         if check:
             self._check_signature(
-                seq,
-                "all_reduce",
-                name,
-                [(str(t.dtype), tuple(t.shape)) for t in tensors] + [op.name],
-                _describe(tensors),
+                position,
+                start,
+                ([(str(t.dtype), tuple(t.shape)) for t in tensors], op.name),
+                (_items(tensors), f"({op.name})"),
             )
         if self._world_size == 1:
+            self._finished(position)
+            if in_place:
+                return tensors
             return [self._finish_reduce(t.detach().clone(), op) for t in tensors]
-        results: list[torch.Tensor | None] = [None] * len(tensors)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for j, t in enumerate(tensors):
             by_dtype.setdefault(t.dtype, []).append(j)
+        in_flight: list[tuple[list[int], torch.Tensor, Any]] = []
         for dtype, indices in by_dtype.items():
             sizes = [tensors[j].numel() * dtype.itemsize for j in indices]
             for pack in pack_by_bytes(sizes, bytes_per_pack, reverse=False):
                 members = [indices[k] for k in pack]
-                parts = [tensors[j].detach().reshape(-1) for j in members]
-                flat = self._on_device(torch.cat(parts) if len(parts) > 1 else parts[0].clone())
-                self._guard(seq, "all_reduce", name, lambda f=flat: dist.all_reduce(f))  # type: ignore[misc]  # default binds the loop value
-                flat = self._finish_reduce(flat, op)
-                device = tensors[members[0]].device
-                if flat.device != device:
-                    flat = flat.to(device)
-                for j, piece in zip(members, _unflatten(flat, [tensors[j] for j in members])):
-                    results[j] = piece
+                flat = self._on_device(_flatten([tensors[j] for j in members], copy=not in_place))
+                work = dist.all_reduce(flat, group=self._group, async_op=True)
+                in_flight.append((members, flat, work))
+        results: list[torch.Tensor | None] = [None] * len(tensors)
+        for members, flat, work in in_flight:
+            self._wait(work, position, start)
+            templates = [tensors[j] for j in members]
+            if in_place:
+                if op is ReduceOp.MEAN:
+                    flat.div_(self._world_size)
+                if flat.data_ptr() != templates[0].data_ptr() or len(members) > 1:
+                    with torch.no_grad():
+                        for t, piece in zip(templates, _unflatten(flat, templates)):
+                            t.copy_(piece)
+                continue
+            reduced = self._finish_reduce(flat, op).to(templates[0].device)
+            for j, piece in zip(members, _unflatten(reduced, templates)):
+                results[j] = piece
+        self._finished(position)
+        if in_place:
+            return tensors
         return [r for r in results if r is not None]
 
     def all_reduce_async(
@@ -406,122 +594,161 @@ class ProcessGroupCollectives:
     ) -> AllReduceHandle:
         """Starts one all-reduce of ``tensors`` (flattened together; one dtype).
 
-        The caller must make every rank start the same all-reduces in the same
-        order; no signature check is made (check the layout once with
-        `check_same`).
+        For overlapping gradient buckets with backward: every rank must start the
+        same all-reduces in the same order, and no signature check is made (check
+        the layout once with `check_same`). Several tensors are copied into one
+        buffer; a single contiguous tensor is reduced in place, without a copy.
+
+        Raises:
+            InvalidArgumentError: the tensors do not share one dtype.
 
         Example::
 
-            handle = collectives.all_reduce_async([grad], ReduceOp.SUM, name="bucket 0")
+            handle = collectives.all_reduce_async([bucket], ReduceOp.SUM, name="bucket 0")
+            # ... more backward ...
             summed, = handle.wait()
         """
         templates = list(tensors)
-        seq = self._next_seq()
-        parts = [t.detach().reshape(-1) for t in templates]
-        flat = self._on_device(torch.cat(parts) if len(parts) > 1 else parts[0])
+        if not templates or len({t.dtype for t in templates}) != 1:
+            raise InvalidArgumentError(
+                f"all_reduce_async '{name}' needs at least one tensor and one dtype, got "
+                f"{_describe(templates) if templates else 'no tensors'}; split the tensors by "
+                "dtype."
+            )
+        position, start = self._begin("all_reduce", name)
+        flat = self._on_device(_flatten(templates, copy=False))
         if self._world_size == 1:
-            return AllReduceHandle(self, _DoneWork(), flat.clone(), templates, op, name, seq)
-        work = self._guard(seq, "all_reduce", name, lambda: dist.all_reduce(flat, async_op=True))
-        return AllReduceHandle(self, work, flat, templates, op, name, seq)
+            self._finished(position)
+            return AllReduceHandle(self, None, flat.clone(), templates, op, position, start)
+        work = dist.all_reduce(flat, group=self._group, async_op=True)
+        return AllReduceHandle(self, work, flat, templates, op, position, start)
 
     def all_gather(self, tensor: torch.Tensor, axis: int, *, name: str) -> torch.Tensor:
         """Concatenates every rank's tensor along ``axis``, in rank order.
 
         Sizes along ``axis`` may differ between ranks; the other dimensions and the
-        dtype must match.
+        dtype must match (else `CollectiveMismatchError` on every rank).
 
         Example::
 
+            # rank 0 passes a [1, 3] tensor, rank 1 a [2, 3] tensor
             everything = collectives.all_gather(torch.ones(rank + 1, 3), 0, name="preds")
+            # both ranks get a [3, 3] tensor: rank 0's row, then rank 1's two rows
         """
-        seq = self._next_seq()
-        axis = axis % max(tensor.dim(), 1)
+        position, start = self._begin("all_gather", name)
+        if tensor.dim() == 0:
+            raise InvalidArgumentError(
+                f"all_gather '{name}' needs a tensor with at least one dimension, got a scalar; "
+                "reshape it to [1]."
+            )
+        axis = axis % tensor.dim()
         other_dims = [s for d, s in enumerate(tensor.shape) if d != axis]
-        self._check_signature(
-            seq,
-            "all_gather",
-            name,
+        extras = self._check_signature(
+            position,
+            start,
             (str(tensor.dtype), tensor.dim(), axis, other_dims),
-            f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)} along axis {axis}",
+            (_items([tensor]), f"(axis {axis})"),
+            extra=[tensor.shape[axis]],
         )
         if self._world_size == 1:
+            self._finished(position)
             return tensor.detach().clone()
-        size = torch.tensor([tensor.shape[axis]], dtype=torch.int64)
-        sizes_dev = [self._on_device(torch.zeros_like(size)) for _ in range(self._world_size)]
-        size_dev = self._on_device(size)
-        self._guard(seq, "all_gather", name, lambda: dist.all_gather(sizes_dev, size_dev))
-        sizes = [int(s.item()) for s in sizes_dev]
+        sizes = [row[0] for row in extras]
         longest = max(sizes)
-        padded = tensor.detach()
-        if tensor.shape[axis] < longest:
-            pad_shape = list(tensor.shape)
-            pad_shape[axis] = longest - tensor.shape[axis]
-            padded = torch.cat([padded, padded.new_zeros(pad_shape)], dim=axis)
-        padded = self._on_device(padded.contiguous())
-        outputs = [torch.empty_like(padded) for _ in range(self._world_size)]
-        self._guard(seq, "all_gather", name, lambda: dist.all_gather(outputs, padded))
-        pieces = [o.narrow(axis, 0, s) for o, s in zip(outputs, sizes)]
-        return torch.cat(pieces, dim=axis).to(tensor.device)
+        moved = torch.movedim(tensor.detach(), axis, 0)
+        if moved.shape[0] < longest:
+            pad = moved.new_zeros((longest - moved.shape[0], *moved.shape[1:]))
+            moved = torch.cat([moved, pad])
+        padded = self._on_device(moved.contiguous())
+        out = torch.empty(
+            (self._world_size * longest, *padded.shape[1:]),
+            dtype=padded.dtype,
+            device=padded.device,
+        )
+        work = _all_gather_single(out, padded, group=self._group, async_op=True)
+        self._wait(work, position, start)
+        self._finished(position)
+        pieces = [out[r * longest : r * longest + s] for r, s in enumerate(sizes)]
+        return torch.movedim(torch.cat(pieces), 0, axis).to(tensor.device)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0, *, name: str) -> None:
         """Overwrites ``tensors`` on every rank with rank ``src``'s, in place.
 
         Example::
 
-            collectives.broadcast([weight], 0, name="initial values")
+            collectives.broadcast([weight, bias], 0, name="initial values")
+            # every rank now holds rank 0's weight and bias
         """
         tensors = list(tensors)
-        seq = self._next_seq()
+        position, start = self._begin("broadcast", name)
+        if not 0 <= src < self._world_size:
+            raise InvalidArgumentError(
+                f"broadcast '{name}': src must be a rank in [0, {self._world_size}), got {src}."
+            )
         self._check_signature(
-            seq,
-            "broadcast",
-            name,
+            position,
+            start,
             ([(str(t.dtype), tuple(t.shape)) for t in tensors], src),
-            _describe(tensors),
+            (_items(tensors), f"(from rank {src})"),
         )
         if self._world_size == 1 or not tensors:
+            self._finished(position)
             return
         by_dtype: dict[torch.dtype, list[int]] = {}
         for j, t in enumerate(tensors):
             by_dtype.setdefault(t.dtype, []).append(j)
+        in_flight = []
         for indices in by_dtype.values():
-            parts = [tensors[j].detach().reshape(-1) for j in indices]
-            flat = self._on_device(torch.cat(parts) if len(parts) > 1 else parts[0].clone())
-            self._guard(seq, "broadcast", name, lambda f=flat: dist.broadcast(f, src))  # type: ignore[misc]  # default binds the loop value
-            for j, piece in zip(indices, _unflatten(flat, [tensors[j] for j in indices])):
-                with torch.no_grad():
+            flat = self._on_device(_flatten([tensors[j] for j in indices], copy=True))
+            work = dist.broadcast(flat, src, group=self._group, async_op=True)
+            in_flight.append((indices, flat, work))
+        for indices, flat, work in in_flight:
+            self._wait(work, position, start)
+            with torch.no_grad():
+                for j, piece in zip(indices, _unflatten(flat, [tensors[j] for j in indices])):
                     tensors[j].copy_(piece)
+        self._finished(position)
 
     def all_reduce_int(self, value: int, name: str) -> int:
-        """The sum of a Python int over the ranks (one tiny collective).
+        """The sum of a Python int over the ranks: one 8-byte all-reduce, no check.
 
         Example::
 
+            # each rank passes how many examples it still has
             remaining = collectives.all_reduce_int(len(local_batch), "end of data")
         """
-        seq = self._next_seq()
+        return self._sum_int(value, "all_reduce_int", name)
+
+    def _sum_int(self, value: int, kind: str, name: str) -> int:
+        position, start = self._begin(kind, name)
         if self._world_size == 1:
+            self._finished(position)
             return value
-        t = self._on_device(torch.tensor([value], dtype=torch.int64))
-        self._guard(seq, "all_reduce", name, lambda: dist.all_reduce(t))
+        t = self._int_buffer  # reused: a fresh tensor per call costs more than the call
+        t.fill_(value)
+        work = dist.all_reduce(t, group=self._group, async_op=True)
+        self._wait(work, position, start)
+        self._finished(position)
         return int(t.item())
 
     def barrier(self, name: str) -> None:
-        """Waits until every rank reaches this point (or raises naming those that did not)."""
-        self.all_reduce_int(0, f"barrier {name}")
+        """Waits until every rank reaches this point (or raises naming those that did not).
+
+        Example::
+
+            collectives.barrier("checkpoint written")
+        """
+        self._sum_int(0, "barrier", name)
 
     def shutdown(self) -> None:
-        """Destroys the process group if this object created it. Idempotent."""
+        """Stops the watcher and destroys the process group if this object created it.
+
+        Idempotent, and run automatically when the object is collected or the
+        interpreter exits. A group broken by a failed collective is left to the
+        process's exit, since destroying it would wait for the abandoned
+        collective.
+        """
         if self._closed:
             return
         self._closed = True
-        if self._owns_group and dist.is_available() and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # interpreter shutdown, or the group already broke
-                logger.debug("destroy_process_group failed", exc_info=True)
-
-
-class _DoneWork:
-    def wait(self) -> bool:
-        return True
+        self._finalizer()
