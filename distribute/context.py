@@ -100,6 +100,7 @@ class ReplicaContext:
             >>> [float(t) for t in s.experimental_local_results(r)]
             [3.0, 3.0]
         """
+        self._require_current("all_reduce")
         op = ReduceOp.from_value(reduce_op)
         return self._strategy.extended._replica_all_reduce(self, op, value)
 
@@ -108,6 +109,7 @@ class ReplicaContext:
 
         Shapes may differ along `axis` only. Each replica receives the whole result.
         """
+        self._require_current("all_gather")
         return self._strategy.extended._replica_all_gather(self, value, axis)
 
     def merge_call(
@@ -122,8 +124,32 @@ class ReplicaContext:
         `PerReplica` values; each replica gets its own component of the result (a
         plain result goes to every replica).
         """
+        self._require_current("merge_call")
         return self._strategy.extended._replica_merge_call(
             self, merge_fn, tuple(args), dict(kwargs or {})
+        )
+
+    def _require_current(self, method: str) -> None:
+        """Raises `ContextError` unless this replica context is the running one."""
+        top = _top()
+        if top is None:
+            from distribute.strategies.default import DefaultStrategy
+
+            if isinstance(self._strategy, DefaultStrategy):
+                return  # the default replica context, outside any scope
+        elif top.replica_context is self:
+            return
+        where = (
+            "inside a merge_fn"
+            if top is not None and top.in_merge
+            else "after its `run` returned"
+            if top is None or top.replica_context is None
+            else "from another replica's `run`"
+        )
+        raise ContextError(
+            f"ReplicaContext.{method} was called {where}, in cross-replica context; call it "
+            "only inside the `fn` given to `strategy.run`, on "
+            "`ds.get_replica_context()` of the running replica"
         )
 
     def __repr__(self) -> str:
@@ -137,6 +163,7 @@ class ReplicaContext:
 class _Entry:
     strategy: Strategy
     replica_context: ReplicaContext | None
+    in_merge: bool = False
 
 
 class _ThreadState(threading.local):
@@ -153,9 +180,14 @@ def _top() -> _Entry | None:
 
 
 @contextlib.contextmanager
-def _push(strategy: Strategy, replica_context: ReplicaContext | None) -> Iterator[None]:
-    """Makes `strategy` current in this thread (cross-replica when no replica context)."""
-    _state.stack.append(_Entry(strategy, replica_context))
+def _push(
+    strategy: Strategy, replica_context: ReplicaContext | None, *, in_merge: bool = False
+) -> Iterator[None]:
+    """Makes `strategy` current in this thread (cross-replica when no replica context).
+
+    `in_merge` marks the cross-replica context of a `merge_call`'s `merge_fn`.
+    """
+    _state.stack.append(_Entry(strategy, replica_context, in_merge))
     try:
         yield
     finally:

@@ -204,9 +204,20 @@ class DistributedVariable(torch.Tensor):
                 target.sub_(value)
 
     def _write_all(self, kind: str, values: Sequence[Any]) -> None:
+        written: set[int] = set()
         for i in range(1 + len(self._ds_components)):
-            self._apply_to(self._component(i), kind, values[i])
+            component = self._component(i)
+            storage = self._plain_component(i).data_ptr()
+            if storage in written:
+                continue  # an alias of a copy already written (central storage)
+            written.add(storage)
+            self._apply_to(component, kind, values[i])
         self._mark_synced()
+
+    def _aliases_primary(self) -> bool:
+        """Whether every replica shares the primary's storage (central storage)."""
+        primary = self._plain_component(0).data_ptr()
+        return all(c.data_ptr() == primary for c in self._ds_components)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # same keyword as Tensor.__repr__, narrower return type
         with torch._C.DisableTorchFunctionSubclass():
@@ -217,8 +228,10 @@ class DistributedVariable(torch.Tensor):
         )
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        # Pickling (torch.save of a module) stores the primary as a plain tensor.
-        return (_rebuild_plain, (self._plain_component(0).clone(), self.requires_grad))
+        # Pickling (torch.save of a module) stores the primary as a plain tensor, or as
+        # an nn.Parameter when the variable stands for one.
+        is_param = bool(getattr(self, "_is_param", False))
+        return (_rebuild_plain, (self._plain_component(0).clone(), self.requires_grad, is_param))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
         plain = self._plain_component(0).clone()
@@ -227,7 +240,9 @@ class DistributedVariable(torch.Tensor):
         return plain
 
 
-def _rebuild_plain(data: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+def _rebuild_plain(data: torch.Tensor, requires_grad: bool, is_param: bool = False) -> torch.Tensor:
+    if is_param:
+        return torch.nn.Parameter(data, requires_grad=requires_grad)
     return data.requires_grad_(requires_grad) if requires_grad else data
 
 
@@ -260,12 +275,22 @@ class MirroredVariable(DistributedVariable):
         replica = replica_ctx.local_replica_id
         aggregation = self._ds_aggregation
         extended = self._ds_strategy.extended
+        shared = len(self._ds_components) > 0 and self._aliases_primary()
+        if shared and aggregation is VariableAggregation.NONE:
+            raise InvalidArgumentError(
+                "a variable with NONE aggregation was assigned inside `run`, but every "
+                "replica shares its one copy (CentralStorageStrategy); give it SUM, MEAN or "
+                "ONLY_FIRST_REPLICA aggregation, or assign it in cross-replica context"
+            )
         if aggregation in (VariableAggregation.SUM, VariableAggregation.MEAN):
             op = ReduceOp.SUM if aggregation is VariableAggregation.SUM else ReduceOp.MEAN
             value = extended._replica_all_reduce(replica_ctx, op, torch.as_tensor(value))
         elif aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             value = extended._replica_broadcast_first(replica_ctx, torch.as_tensor(value))
-        self._apply_to(self._component(replica), kind, value)
+        if shared:  # one copy: written once, while every replica waits
+            extended._replica_once(replica_ctx, lambda: self._apply_to(self, kind, value))
+        else:
+            self._apply_to(self._component(replica), kind, value)
         return self
 
     def _require_not_in_other_replica(self) -> None:
@@ -276,6 +301,31 @@ class MirroredVariable(DistributedVariable):
                 f"{top.strategy!r}; assign it inside its own strategy's `run` or in "
                 "cross-replica context"
             )
+
+
+_METADATA = frozenset(
+    [
+        *(
+            getattr(torch.Tensor, name).__get__
+            for name in ("shape", "dtype", "device", "ndim", "layout", "requires_grad", "is_leaf")
+        ),
+        *(
+            getattr(torch.Tensor, name)
+            for name in (
+                "size",
+                "dim",
+                "numel",
+                "nelement",
+                "__len__",
+                "element_size",
+                "is_floating_point",
+                "is_complex",
+                "stride",
+                "is_contiguous",
+            )
+        ),
+    ]
+)
 
 
 class SyncOnReadVariable(DistributedVariable):
@@ -305,6 +355,9 @@ class SyncOnReadVariable(DistributedVariable):
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if func in _METADATA:  # shape, dtype, ...: the same on every copy, no aggregation
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
         return _dispatch(func, args, kwargs or {})
 
     def _read_for(self, replica: int | None) -> torch.Tensor:

@@ -151,6 +151,9 @@ class _Worker(threading.Thread):
             if task is None:
                 return
             task()
+            # Drop the finished task: it refers to the strategy, which must stay
+            # collectable so that its finalizer can stop these threads.
+            del task
 
 
 class ReplicaThreads:

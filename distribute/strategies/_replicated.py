@@ -136,6 +136,11 @@ class ReplicatedExtended(StrategyExtended):
         self._num_workers = 1
         self._cross_worker: CrossWorker | None = None
         self._variables: weakref.WeakSet[DistributedVariable] = weakref.WeakSet()
+        self._buffers: weakref.WeakSet[DistributedVariable] = weakref.WeakSet()
+        # Multi-worker: each buffer's value as of the last sync, to tell a change.
+        self._agreed_buffers: weakref.WeakKeyDictionary[DistributedVariable, torch.Tensor] = (
+            weakref.WeakKeyDictionary()
+        )
         self._pending_broadcast: list[DistributedVariable] = []
         n = len(self._devices)
         self._rendezvous = Rendezvous(n, self._timeout) if n > 1 else None
@@ -195,6 +200,12 @@ class ReplicatedExtended(StrategyExtended):
                 f"`run` was called inside `run` of {top.strategy!r}; call `run` once per "
                 "step from cross-replica code and do per-replica work inside `fn`"
             )
+        if top is not None and top.in_merge:
+            raise ContextError(
+                f"`run` was called inside a merge_fn of {top.strategy!r}; a merge_fn runs "
+                "while every replica is paused in merge_call, so it cannot start new "
+                "replicas. Return from merge_fn and call `run` from the outer loop"
+            )
         strategy = self._container_strategy
         self._before_run()
         try:
@@ -234,46 +245,65 @@ class ReplicatedExtended(StrategyExtended):
 
     def _before_run(self) -> None:
         self._broadcast_initial_values()
-        if self._num_local == 1 or self._central:
+        if self._num_local == 1:
             return
         for var in self._live_variables():
             if var._ds_synchronization is not VariableSynchronization.ON_READ:
-                var._sync_from_primary()
+                var._sync_from_primary()  # copies written in cross-replica code only
 
     def _after_run(self) -> None:
-        if self._central:
+        if self._num_replicas_in_sync() == 1:
             return
-        changed_buffers = []
-        for var in self._live_variables():
-            if var._ds_synchronization is VariableSynchronization.ON_READ:
-                continue
-            if var._ds_is_buffer and var._primary_version() != var._ds_synced_version:
-                changed_buffers.append(var)
-            else:
-                var._mark_synced()
-        if changed_buffers:
-            self._sync_buffers(changed_buffers)
+        if self._num_local > 1:
+            for var in self._live_variables():
+                if var._ds_synchronization is not VariableSynchronization.ON_READ:
+                    var._mark_synced()  # every replica updated its own copy alike
+        buffers = list(self._buffers)
+        if buffers:
+            self._sync_buffers(buffers)
 
     def _sync_buffers(self, buffers: list[DistributedVariable]) -> None:
         """Makes buffers that `fn` changed (e.g. BatchNorm statistics) agree again.
 
+        Kernels such as batch norm update buffers in place without bumping their
+        version counter, so a change is found by comparing values: the local copies
+        with each other, and across workers with the value agreed at the last sync
+        (one tiny all-reduce of flags, so that every worker syncs the same buffers).
         Floating buffers take the mean over all replicas; others replica 0's value.
+        Buffers nobody changed are left alone, bit for bit.
         """
-        means = [b for b in buffers if b._ds_aggregation is VariableAggregation.MEAN]
-        firsts = [b for b in buffers if b._ds_aggregation is not VariableAggregation.MEAN]
+        flags = [self._buffer_changed(b) for b in buffers]
+        if self._cross_worker is not None:
+            agreed = self._cross_worker.all_reduce(
+                [torch.tensor(flags, dtype=torch.int32)], ReduceOp.SUM, name="buffer sync flags"
+            )[0]
+            flags = [bool(f) for f in agreed.tolist()]
+        changed = [b for b, flag in zip(buffers, flags) if flag]
+        means = [b for b in changed if b._ds_aggregation is VariableAggregation.MEAN]
+        firsts = [b for b in changed if b._ds_aggregation is not VariableAggregation.MEAN]
         if means:
-            totals = [_sum_to(list(b.values), self._devices[0]) for b in means]
+            totals = [_sum_to(_local_copies(b), self._devices[0]) for b in means]
             if self._cross_worker is not None:
                 totals = self._cross_worker.all_reduce(totals, ReduceOp.SUM, name="buffers")
             n = self._num_replicas_in_sync()
             for b, total in zip(means, totals):
                 b._write_all("assign", [(total / n).to(d) for d in self._devices])
         if firsts:
-            primaries = [b.values[0].clone() for b in firsts]
+            primaries = [b._plain_component(0).clone() for b in firsts]
             if self._cross_worker is not None:
                 self._cross_worker.broadcast(primaries, 0, name="buffers")
             for b, value in zip(firsts, primaries):
                 b._write_all("assign", [value] * self._num_local)
+        if self._cross_worker is not None:
+            for b in changed:
+                self._agreed_buffers[b] = b._plain_component(0).clone()
+
+    def _buffer_changed(self, buffer: DistributedVariable) -> bool:
+        copies = _local_copies(buffer)
+        if self._cross_worker is None:
+            return any(not torch.equal(c, copies[0]) for c in copies[1:])
+        agreed = self._agreed_buffers.get(buffer)
+        return agreed is None or any(not torch.equal(c, agreed) for c in copies)
 
     # -- variables --------------------------------------------------------------------
 
@@ -321,8 +351,14 @@ class ReplicatedExtended(StrategyExtended):
             synchronization=sync,
             is_param=is_param,
             is_buffer=is_buffer,
-            alias_components=self._central and sync is VariableSynchronization.ON_WRITE,
+            # Buffers keep a copy per replica even under central storage: kernels
+            # update them in place during the forward pass, each from its own batch.
+            alias_components=self._central
+            and sync is VariableSynchronization.ON_WRITE
+            and not is_buffer,
         )
+        if is_buffer:
+            self._buffers.add(var)
         if self._cross_worker is not None and sync is not VariableSynchronization.ON_READ:
             self._pending_broadcast.append(var)
         self._variables.add(var)
@@ -545,7 +581,7 @@ class ReplicatedExtended(StrategyExtended):
         strategy = self._container_strategy
 
         def run_merge(merge_args: Any, merge_kwargs: Any) -> Any:
-            with context._push(strategy, None):
+            with context._push(strategy, None, in_merge=True):
                 return merge_fn(strategy, *merge_args, **merge_kwargs)
 
         if self._rendezvous is None:
@@ -559,6 +595,15 @@ class ReplicatedExtended(StrategyExtended):
         local = replica_ctx.local_replica_id
         result = self._exchange(local, "merge_call", (args, kwargs), combine)
         return select_replica(local, result)
+
+    def _replica_once(self, replica_ctx: ReplicaContext, fn: Callable[[], None]) -> None:
+        """Runs replica 0's `fn` once while every local replica waits (shared state)."""
+
+        def combine(per_replica: list[Callable[[], None]]) -> list[None]:
+            per_replica[0]()
+            return [None] * self._num_local
+
+        self._exchange(replica_ctx.local_replica_id, "shared variable write", fn, combine)
 
     def _replica_broadcast_first(self, replica_ctx: ReplicaContext, value: torch.Tensor) -> Any:
         def combine(per_replica: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -726,6 +771,10 @@ def _sum_to(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tens
     for t in tensors[1:]:
         total += t.detach().to(device)
     return total
+
+
+def _local_copies(var: DistributedVariable) -> list[torch.Tensor]:
+    return [var._plain_component(i) for i in range(1 + len(var._ds_components))]
 
 
 def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

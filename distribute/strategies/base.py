@@ -135,6 +135,9 @@ class StrategyExtended:
     def _replica_broadcast_first(self, replica_ctx: ReplicaContext, value: torch.Tensor) -> Any:
         raise NotImplementedError
 
+    def _replica_once(self, replica_ctx: ReplicaContext, fn: Callable[[], None]) -> None:
+        raise NotImplementedError
+
     def _read_sync_on_read(self, var: DistributedVariable) -> torch.Tensor:
         raise NotImplementedError
 

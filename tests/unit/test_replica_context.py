@@ -9,8 +9,10 @@ all-gather is each replica's own slice of the all-reduced incoming gradient.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -551,12 +553,6 @@ def test_scope_of_another_strategy_inside_run_raises() -> None:
         a.run(fn)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: ReplicaContext.merge_call/all_reduce never check that they are called in "
-    "their own replica context; a stale context raises a misleading 'already returned from "
-    "fn' error with several replicas and silently runs with one (TF: RuntimeError).",
-)
 @pytest.mark.parametrize("devices", [["cpu:0"], ["cpu:0", "cpu:1"]], ids=["1", "2"])
 def test_merge_call_in_cross_replica_context_raises_a_context_error(devices: list[str]) -> None:
     s = ds.MirroredStrategy(devices)
@@ -565,12 +561,6 @@ def test_merge_call_in_cross_replica_context_raises_a_context_error(devices: lis
         stale.merge_call(lambda strategy: None)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a merge_call made from inside merge_fn (cross-replica context) waits for "
-    "the other replicas until the collective timeout (300 s by default) and then blames "
-    "replica 0 for not arriving, instead of raising a ContextError at once.",
-)
 def test_merge_call_inside_merge_fn_raises_at_once(short_timeout: float) -> None:
     s = ds.MirroredStrategy(["cpu:0", "cpu:1"])
 
@@ -582,11 +572,6 @@ def test_merge_call_inside_merge_fn_raises_at_once(short_timeout: float) -> None
         s.run(fn)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: strategy.run called inside merge_fn deadlocks forever: the merge runs on a "
-    "replica thread that then waits for its own thread to run the inner replica fn.",
-)
 def test_run_inside_merge_fn_raises_instead_of_deadlocking(short_timeout: float) -> None:
     s = ds.MirroredStrategy(["cpu:0", "cpu:1"])
     outcome: list[BaseException | None] = []
@@ -606,3 +591,21 @@ def test_run_inside_merge_fn_raises_instead_of_deadlocking(short_timeout: float)
         _replica_threads._LIVE.discard(s.extended._threads)  # type: ignore[attr-defined]
         pytest.fail("strategy.run inside merge_fn deadlocked")
     assert isinstance(outcome[0], ContextError)
+
+
+def test_a_dropped_strategy_is_collected_and_stops_its_replica_threads() -> None:
+    def run_once() -> tuple[Any, list[threading.Thread]]:
+        s = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+        with s.scope():
+            layer = torch.nn.Linear(2, 2)
+        s.run(lambda: layer(torch.ones(1, 2)).sum())
+        assert s.extended._threads is not None
+        return weakref.ref(s), list(s.extended._threads._workers)
+
+    ref, workers = run_once()
+    deadline = time.monotonic() + 5.0
+    while (ref() is not None or any(w.is_alive() for w in workers)) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.02)
+    assert ref() is None, "the strategy stayed reachable after its last use"
+    assert not any(w.is_alive() for w in workers), "replica threads outlived their strategy"

@@ -261,12 +261,6 @@ def test_cross_replica_assign_on_central_storage_writes_the_copy(central4: ds.St
     assert components(v) == [[5.0, 6.0]] * 4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: under CentralStorageStrategy cross-replica assign_add/assign_sub are applied "
-    "once per compute device to the one shared copy (DistributedVariable._write_all writes "
-    "every aliasing component): +1 on 4 replicas adds 4.",
-)
 def test_cross_replica_assign_add_on_central_storage_is_applied_once(
     central4: ds.Strategy,
 ) -> None:
@@ -313,20 +307,12 @@ def test_replica_assign_follows_the_aggregation(
     assert [float(c) for c in v.values] == expected(n)
 
 
-CENTRAL_ASSIGN_ADD_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="BUG: CentralStorageStrategy applies a replica-context assign_add/assign_sub of an "
-    "aggregated variable once per replica to the one shared copy (MirroredVariable._write "
-    "writes the aliasing component in every replica): SUM over 4 replicas adds 4x.",
-)
-
-
 @pytest.mark.parametrize(
     "strategy_name",
     [
         "mirrored_2",
         "mirrored_4",
-        pytest.param("central_storage_4", marks=CENTRAL_ASSIGN_ADD_BUG),
+        "central_storage_4",
     ],
 )
 @pytest.mark.parametrize(
@@ -372,12 +358,6 @@ def test_replica_assign_none_keeps_copies_apart_until_a_cross_replica_write(
     assert [float(c) for c in v.values] == [9.0] * 4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: under CentralStorageStrategy a replica-context assign of a NONE-aggregation "
-    "variable races on the one shared copy (last writer wins); TF's AggregatingVariable "
-    "raises ValueError for NONE aggregation in replica context.",
-)
 def test_replica_assign_with_none_aggregation_on_central_storage_raises(
     central4: ds.Strategy,
 ) -> None:
@@ -566,12 +546,6 @@ def test_sync_on_read_with_none_aggregation_cannot_be_read_cross_replica(
     assert mirrored4.run(lambda: float(v.read_value())).values == (0.0, 1.0, 2.0, 3.0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: every tensor attribute of a NONE-aggregation SyncOnReadVariable (shape, dtype, "
-    "numel) goes through the aggregated cross-replica read and raises; so does a cross-replica "
-    "assign, which TF allows (it writes the value to each component).",
-)
 def test_sync_on_read_with_none_aggregation_has_shape_and_accepts_cross_replica_assign(
     mirrored4: ds.Strategy,
 ) -> None:
@@ -692,12 +666,6 @@ def test_deepcopy_of_a_module_built_in_scope_gives_plain_parameters(
     assert torch.equal(clone[0].weight, net[0].weight.values[0])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: DistributedVariable.__reduce_ex__ rebuilds every variable as a plain tensor, "
-    "so torch.save/torch.load of a whole module turns its parameters into non-Parameter "
-    "tensors (deepcopy keeps them nn.Parameter).",
-)
 def test_pickling_a_module_built_in_scope_keeps_nn_parameters(mirrored4: ds.Strategy) -> None:
     with mirrored4.scope():
         net = make_net()
@@ -795,12 +763,6 @@ def expected_running_stats(
     return torch.stack(means).mean(dim=0), torch.stack(variances).mean(dim=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: BatchNorm running statistics diverge across MirroredStrategy replicas: "
-    "ReplicatedExtended._after_run syncs a buffer only if its primary's _version moved, but "
-    "torch.batch_norm updates running_mean/running_var in place without bumping _version.",
-)
 def test_batchnorm_running_statistics_are_averaged_across_replicas(
     mirrored4: ds.Strategy,
 ) -> None:
@@ -816,12 +778,6 @@ def test_batchnorm_running_statistics_are_averaged_across_replicas(
     assert [int(c) for c in bn.num_batches_tracked.values] == [1] * 4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: under CentralStorageStrategy BatchNorm buffers alias one copy that every "
-    "replica updates in place: num_batches_tracked grows by the number of replicas per step "
-    "and the running statistics take N sequential, racing momentum updates.",
-)
 def test_batchnorm_buffers_under_central_storage_count_each_step_once(
     central4: ds.Strategy,
 ) -> None:
