@@ -69,10 +69,14 @@ def progress(epoch: int, epochs: int, step: int, steps: int, loss: float, start:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--strategy", default="default", choices=STRATEGIES)
     parser.add_argument(
-        "--replicas", type=int, default=None,
+        "--replicas",
+        type=int,
+        default=None,
         help="logical CPU replicas per process (default: 2, or 1 with multi_worker)",
     )
     parser.add_argument("--device", default="cpu")
@@ -89,7 +93,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     show = is_chief and not args.quiet
     train_set, test_set = load_data(args.seed)
     train_loader = DataLoader(
-        train_set, batch_size=args.batch_size, shuffle=True, drop_last=True,
+        train_set,
+        batch_size=args.batch_size,
+        shuffle=True,
+        drop_last=True,
         generator=torch.Generator().manual_seed(args.seed),
     )
     test_loader = DataLoader(test_set, batch_size=args.batch_size)
@@ -100,10 +107,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)
         )
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-        correct = ds.Variable(0, synchronization=ds.VariableSynchronization.ON_READ,
-                              aggregation=ds.VariableAggregation.SUM)
-        seen = ds.Variable(0, synchronization=ds.VariableSynchronization.ON_READ,
-                           aggregation=ds.VariableAggregation.SUM)
+        correct = ds.Variable(
+            0,
+            synchronization=ds.VariableSynchronization.ON_READ,
+            aggregation=ds.VariableAggregation.SUM,
+        )
+        seen = ds.Variable(
+            0,
+            synchronization=ds.VariableSynchronization.ON_READ,
+            aggregation=ds.VariableAggregation.SUM,
+        )
 
     def train_step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch

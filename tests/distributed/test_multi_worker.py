@@ -100,7 +100,10 @@ def _make_data() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _make_model() -> torch.nn.Module:
     return torch.nn.Sequential(
-        torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+        torch.nn.Linear(12, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 32),
+        torch.nn.Tanh(),
         torch.nn.Linear(32, 5),
     )
 
@@ -114,7 +117,9 @@ def _make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
 GLOBAL_BATCH = 16
 
 
-def _train(local_replicas: int, optimizer_name: str, epochs: int, accumulate: int) -> dict[str, Any]:
+def _train(
+    local_replicas: int, optimizer_name: str, epochs: int, accumulate: int
+) -> dict[str, Any]:
     """Trains with a different seed on every worker; returns the final parameters."""
     rank = int(os.environ["RANK"]) if "RANK" in os.environ else 0
     torch.manual_seed(1000 + rank)  # workers disagree; the chief's initial values win
@@ -176,7 +181,11 @@ def _dead_peer(timeout: float) -> dict[str, Any]:
     try:
         strategy.reduce("sum", torch.ones(2), axis=None)
     except ds.errors.DistributeError as exc:
-        return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
+        return {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "seconds": time.monotonic() - start,
+        }
     return {"error": None}
 
 
@@ -215,7 +224,9 @@ def test_two_workers_replica_ids_reduce_gather_and_input(local_replicas: int) ->
         assert all(g == [r for r in range(n) for _ in range(2)] for g in out["all_gather"])
         assert all(v == [float(sum(range(n)))] * 3 for v in out["all_reduce"])
     # Input: every element once, per step sizes differ by at most one, all stop together.
-    steps = [results[0]["steps"][i] + results[1]["steps"][i] for i in range(len(results[0]["steps"]))]
+    steps = [
+        results[0]["steps"][i] + results[1]["steps"][i] for i in range(len(results[0]["steps"]))
+    ]
     assert len(results[0]["steps"]) == len(results[1]["steps"]) == 3
     seen = sorted(x for step in steps for part in step for x in part)
     assert seen == list(range(10))
@@ -276,10 +287,18 @@ def _free_port() -> int:
 def test_example_runs_under_torchrun() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-        str(ROOT / "examples" / "train_digits.py"), "--strategy", "multi_worker",
-        "--epochs", "2", "--quiet",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        str(ROOT / "examples" / "train_digits.py"),
+        "--strategy",
+        "multi_worker",
+        "--epochs",
+        "2",
+        "--quiet",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]

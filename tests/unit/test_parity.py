@@ -38,7 +38,10 @@ STRATEGIES: dict[str, Callable[[], ds.Strategy]] = {
 def make_model() -> torch.nn.Module:
     torch.manual_seed(1)
     return torch.nn.Sequential(
-        torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
+        torch.nn.Linear(8, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 32),
+        torch.nn.ReLU(),
         torch.nn.Linear(32, 3),
     )
 
@@ -98,5 +101,7 @@ def test_parameters_actually_moved() -> None:
     """Guards the parity test against a trivially passing no-op training."""
     before = make_model()
     after = train(ds.MirroredStrategy(["cpu:0", "cpu:1"]), "adam", False)
-    moved = max((a - b.detach()).abs().max().item() for a, b in zip(before.parameters(), after.parameters()))
+    moved = max(
+        (a - b.detach()).abs().max().item() for a, b in zip(before.parameters(), after.parameters())
+    )
     assert moved > 1e-3

@@ -36,7 +36,9 @@ def test_run_unwraps_identical_objects(strategy: ds.Strategy) -> None:
 def test_run_gives_each_replica_its_component_at_any_depth(strategy: ds.Strategy) -> None:
     values = per_replica_ids(strategy)
     out = strategy.run(lambda d: float(d["x"][0][1]), args=({"x": [values]},))
-    assert strategy.experimental_local_results(out) == tuple(float(i) for i in range(local(strategy)))
+    assert strategy.experimental_local_results(out) == tuple(
+        float(i) for i in range(local(strategy))
+    )
 
 
 def test_run_rejects_args_that_are_not_a_list_or_tuple(strategy: ds.Strategy) -> None:
@@ -49,8 +51,12 @@ def test_reduce_sum_and_mean_across_replicas(strategy: ds.Strategy) -> None:
     n = local(strategy)
     total = sum(range(n))
     with strategy.scope():
-        assert torch.equal(strategy.reduce("SUM", values, axis=None), torch.full((2,), float(total)))
-        assert torch.allclose(strategy.reduce("mean", values, axis=None), torch.full((2,), total / n))
+        assert torch.equal(
+            strategy.reduce("SUM", values, axis=None), torch.full((2,), float(total))
+        )
+        assert torch.allclose(
+            strategy.reduce("mean", values, axis=None), torch.full((2,), total / n)
+        )
 
 
 def test_reduce_with_axis_weights_the_mean_by_element_count(strategy: ds.Strategy) -> None:
