@@ -69,6 +69,7 @@ class DistributedVariable(torch.Tensor):
     _ds_synced_version: int
     _ds_is_buffer: bool
     _ds_trainable: bool
+    _ds_agreed: torch.Tensor | None  # multi-worker buffers: the value at the last sync
 
     @classmethod
     def _create(
@@ -101,6 +102,7 @@ class DistributedVariable(torch.Tensor):
         var._ds_synchronization = synchronization
         var._ds_is_buffer = is_buffer
         var._ds_trainable = trainable
+        var._ds_agreed = None
         var._ds_synced_version = var._primary_version()
         if is_param:
             var._is_param = True  # nn.Parameter's isinstance check honours this flag

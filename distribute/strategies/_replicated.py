@@ -137,10 +137,6 @@ class ReplicatedExtended(StrategyExtended):
         self._cross_worker: CrossWorker | None = None
         self._variables: weakref.WeakSet[DistributedVariable] = weakref.WeakSet()
         self._buffers: weakref.WeakSet[DistributedVariable] = weakref.WeakSet()
-        # Multi-worker: each buffer's value as of the last sync, to tell a change.
-        self._agreed_buffers: weakref.WeakKeyDictionary[DistributedVariable, torch.Tensor] = (
-            weakref.WeakKeyDictionary()
-        )
         self._pending_broadcast: list[DistributedVariable] = []
         n = len(self._devices)
         self._rendezvous = Rendezvous(n, self._timeout) if n > 1 else None
@@ -295,14 +291,14 @@ class ReplicatedExtended(StrategyExtended):
             for b, value in zip(firsts, primaries):
                 b._write_all("assign", [value] * self._num_local)
         if self._cross_worker is not None:
-            for b in changed:
-                self._agreed_buffers[b] = b._plain_component(0).clone()
+            for b in changed:  # the value every worker agrees on, to tell the next change
+                b._ds_agreed = b._plain_component(0).clone()
 
     def _buffer_changed(self, buffer: DistributedVariable) -> bool:
         copies = _local_copies(buffer)
         if self._cross_worker is None:
             return any(not torch.equal(c, copies[0]) for c in copies[1:])
-        agreed = self._agreed_buffers.get(buffer)
+        agreed = buffer._ds_agreed
         return agreed is None or any(not torch.equal(c, agreed) for c in copies)
 
     # -- variables --------------------------------------------------------------------

@@ -207,6 +207,25 @@ def _mismatch() -> dict[str, Any]:
     return {"error": None}
 
 
+def _batchnorm_buffers(local_replicas: int) -> dict[str, Any]:
+    strategy = _strategy(local_replicas)
+    with strategy.scope():
+        bn = torch.nn.BatchNorm1d(2, momentum=0.5)
+        bn.register_buffer("constant", torch.tensor([0.1, 1 / 3]))
+
+    def fn() -> None:
+        ctx = ds.get_replica_context()
+        assert ctx is not None
+        bn(torch.tensor([[0.0, 1.0], [2.0, 5.0]]) * (ctx.replica_id_in_sync_group + 1))
+
+    strategy.run(fn)
+    strategy.run(fn)
+    return {
+        name: [c.tolist() for c in getattr(bn, name).values]
+        for name in ("running_mean", "num_batches_tracked", "constant")
+    }
+
+
 # -- tests ---------------------------------------------------------------------------------
 
 
@@ -306,3 +325,20 @@ def test_example_runs_under_torchrun() -> None:
     assert len(lines) == 1, proc.stdout  # only the chief prints
     assert lines[0]["replicas_in_sync"] == 2
     assert lines[0]["test_accuracy"] > 0.85
+
+
+def test_batchnorm_statistics_are_averaged_over_every_replica_of_every_worker() -> None:
+    workers, local_replicas = 2, 2
+    results = launch.run(_batchnorm_buffers, workers, args=(local_replicas,), timeout=120)
+    n = workers * local_replicas
+    base = torch.tensor([[0.0, 1.0], [2.0, 5.0]])
+    running = torch.zeros(2)
+    for _ in range(2):  # two steps, each averaging the replicas' momentum updates
+        running = torch.stack(
+            [0.5 * running + 0.5 * (base * (r + 1)).mean(dim=0) for r in range(n)]
+        ).mean(dim=0)
+    for out in results:
+        for copy in out["running_mean"]:
+            torch.testing.assert_close(torch.tensor(copy), running)
+        assert out["num_batches_tracked"] == [2] * local_replicas
+        assert out["constant"] == [torch.tensor([0.1, 1 / 3]).tolist()] * local_replicas
