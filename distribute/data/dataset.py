@@ -13,7 +13,9 @@ Across workers (``AutoShardPolicy``): DATA rewraps the DataLoader's batch sample
 so that each worker loads only its own block of every global batch; FILE gives
 each worker every ``num_workers``-th file of a dataset exposing ``files`` and
 ``with_files(files)``; an ``IterableDataset`` is sharded by element; OFF gives
-every worker all the data.
+every worker all the data: each global batch is still split into one share per
+replica in sync, and every worker steps through all of those shares (so an
+epoch takes ``num_workers`` times as many steps), as in tf.distribute.
 
 Example::
 
@@ -818,6 +820,16 @@ class DistributedDataset:
         self._options = options
         self._dataset = dataset
         self._source = _make_source(dataset, input_workers, options.auto_shard_policy)
+        # OFF with several workers: every worker reads every global batch, split into
+        # one sub-batch per replica in sync, and takes its local replicas' share of
+        # that stream one step at a time (so a replica's batch is G/N, as in TF).
+        self._every_worker_reads_all = (
+            input_workers.num_workers > 1
+            and options.auto_shard_policy is AutoShardPolicy.OFF
+            and not (
+                isinstance(dataset, DataLoader) and isinstance(dataset.sampler, DistributedSampler)
+            )
+        )
         self._epoch = -1
 
     def __iter__(self) -> DistributedIterator:
@@ -827,9 +839,14 @@ class DistributedDataset:
         slice_global = self._source.slice_global
         local = workers.local_replicas
         exhausted = False
+        every_worker_reads_all = self._every_worker_reads_all
+        pending: collections.deque[tuple[Any, list[Any]]] = collections.deque()
 
         def read() -> _Step | None:
             nonlocal exhausted
+            if pending:
+                batch, leaves = pending.popleft()
+                return split(batch, leaves, None)
             if exhausted:
                 return None
             try:
@@ -856,6 +873,21 @@ class DistributedDataset:
                 )
                 leaves = _slice_leaves(leaves, start, stop)
                 nest = None
+            elif every_worker_reads_all:
+                sizes = sharding.split_sizes(
+                    _leaves_len(leaves, batch), workers.num_replicas_in_sync
+                )
+                for k in range(workers.num_workers):
+                    start, stop = sum(sizes[: k * local]), sum(sizes[: (k + 1) * local])
+                    if stop > start:  # only a partial last batch leaves some empty
+                        pending.append((batch, _slice_leaves(leaves, start, stop)))
+                if not pending:
+                    return read()
+                batch, leaves = pending.popleft()
+                nest = None
+            return split(batch, leaves, nest)
+
+        def split(batch: Any, leaves: list[Any], nest: Any) -> _Step:
             if local == 1:
                 return _Step(batch, [(x,) for x in leaves], 1, nest=nest)
             sizes = _split_sizes(_leaves_len(leaves, batch), local)

@@ -42,7 +42,8 @@ class AutoShardPolicy(enum.Enum):
     and ``with_files(files)``). ``DATA``: each worker loads only its own part of
     every global batch (the DataLoader's sampler is rewrapped). ``AUTO``: FILE
     when the dataset has files enough for every worker, else DATA. ``OFF``:
-    every worker reads all the data.
+    every worker reads all the data (a replica still gets 1/N of each global
+    batch, so every worker takes ``num_workers`` times as many steps per epoch).
     """
 
     AUTO = "AUTO"

@@ -941,18 +941,31 @@ def test_uneven_workers_with_off_policy_stop_at_the_longest_workers_last_step():
     lengths = [4, 1, 2]
 
     def make(w: int) -> list[torch.Tensor]:
-        return [torch.full((2, 3), float(w)) for _ in range(lengths[w])]
+        return [torch.full((3, 3), float(w)) for _ in range(lengths[w])]
 
     def body(w: int, workers: InputWorkers) -> Any:
         dist = DistributedDataset(make(w), workers, InputOptions(auto_shard_policy="OFF"))
         return [tuple(t.shape) for t in dist]
 
     shapes = run_workers(3, 1, body)
+    # OFF: each worker's global batches of 3 are split over the 3 replicas in sync,
+    # and each worker steps through all of them, one replica's share per step.
     assert shapes == [
-        [(2, 3)] * 4,
-        [(2, 3)] + [(0, 3)] * 3,
-        [(2, 3)] * 2 + [(0, 3)] * 2,
+        [(1, 3)] * 12,
+        [(1, 3)] * 3 + [(0, 3)] * 9,
+        [(1, 3)] * 6 + [(0, 3)] * 6,
     ]
+
+
+@pytest.mark.timeout(30)
+def test_off_policy_gives_each_replica_a_global_batch_share_as_in_tf():
+    # 8 elements in global batches of 4 over 2 workers x 2 replicas: a replica's batch
+    # is 4 / 4 = 1 element, and every worker walks the whole stream of those.
+    result = distribute_epochs(
+        lambda w: DataLoader(torch.arange(8), batch_size=4), 2, 2, policy=AutoShardPolicy.OFF
+    )
+    expected = [[[0], [1]], [[2], [3]], [[4], [5]], [[6], [7]]]
+    assert result[0][0] == result[1][0] == expected
 
 
 @pytest.mark.timeout(30)
