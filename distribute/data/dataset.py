@@ -451,10 +451,15 @@ class _WorkerBlockIterable(IterableDataset[Any]):
         self._global_batch = global_batch
         self._drop_last = drop_last
         self._collate = collate_fn
-        self._workers = workers
+        # Plain numbers only: DataLoader worker processes may pickle this dataset, and
+        # the InputWorkers' cross-worker hook is not picklable.
+        self._layout = {
+            "num_workers": workers.num_workers,
+            "local_replicas": workers.local_replicas,
+            "worker_index": workers.worker_index,
+        }
 
     def __iter__(self) -> Iterator[Any]:
-        w = self._workers
         chunk: list[Any] = []
         for element in self._dataset:
             chunk.append(element)
@@ -462,23 +467,12 @@ class _WorkerBlockIterable(IterableDataset[Any]):
                 yield self._block(chunk)
                 chunk = []
         if chunk and not self._drop_last:
-            start, stop = sharding.worker_slice(
-                len(chunk),
-                num_workers=w.num_workers,
-                local_replicas=w.local_replicas,
-                worker_index=w.worker_index,
-            )
+            start, stop = sharding.worker_slice(len(chunk), **self._layout)
             if start < stop:
                 yield self._collate(chunk[start:stop])
 
     def _block(self, chunk: list[Any]) -> Any:
-        w = self._workers
-        start, stop = sharding.worker_slice(
-            len(chunk),
-            num_workers=w.num_workers,
-            local_replicas=w.local_replicas,
-            worker_index=w.worker_index,
-        )
+        start, stop = sharding.worker_slice(len(chunk), **self._layout)
         return self._collate(chunk[start:stop])
 
 
@@ -1026,18 +1020,30 @@ class DistributedDatasetsFromFunction:
             nest = first if local == 1 else None
             return _Step(first, columns, local, missing=missing, nest=nest)
 
-        def template() -> Any:
-            for p in self._pipelines:
-                batch = _first_batch(p)
-                if batch is not _MISSING:
-                    return _normalize(batch)
-            raise InvalidArgumentError(
-                "dataset_fn produced no data to infer the element structure from."
-            )
-
         return DistributedIterator(
-            read, self._workers, self._options, template, None, prefetch=False
+            read, self._workers, self._options, self._template, None, prefetch=False
         )
+
+    def _template(self) -> Any:
+        for p in self._pipelines:
+            batch = _first_batch(p)
+            if batch is not _MISSING:
+                return _normalize(batch)
+        raise InvalidArgumentError(
+            "dataset_fn produced no data to infer the element structure from."
+        )
+
+    @property
+    def element_spec(self) -> Any:
+        """`TensorSpec` nest of one replica's element, from the pipeline's first batch.
+
+        The batch dimension is known only for a DataLoader with ``drop_last=True``.
+        """
+        pipeline = self._pipelines[0]
+        batch_dim = None
+        if isinstance(pipeline, DataLoader) and pipeline.drop_last:
+            batch_dim = pipeline.batch_size
+        return _spec(self._template(), batch_dim)
 
 
 # -- NumPy input ------------------------------------------------------------------------

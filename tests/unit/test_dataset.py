@@ -542,6 +542,20 @@ def test_element_spec_of_a_dict_nest():
     }
 
 
+def test_datasets_from_function_have_the_pipelines_element_spec():
+    strategy = mirrored(2)
+    dist = strategy.distribute_datasets_from_function(lambda ctx: features_loader(8, 2))
+    assert dist.element_spec == [
+        TensorSpec((None, 3), torch.float16),
+        TensorSpec((None,), torch.int32),
+    ]
+    fixed = strategy.distribute_datasets_from_function(
+        lambda ctx: features_loader(8, 2, drop_last=True)
+    )
+    assert fixed.element_spec[0] == TensorSpec((2, 3), torch.float16)
+    assert [t.shape[0] for t in next(iter(fixed))[0].values] == [2, 2]  # nothing consumed
+
+
 def batches_generator(n: int) -> Iterator[torch.Tensor]:
     for k in range(n):
         yield torch.arange(4 * k, 4 * k + 4)
@@ -829,6 +843,19 @@ class Stream(IterableDataset):
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(self.n))
+
+
+def test_a_sharded_iterable_dataset_pickles_for_spawned_loader_workers():
+    import pickle
+
+    # The cross-worker hook is a closure (not picklable); the sharded dataset that
+    # DataLoader worker processes receive must not carry it.
+    workers = InputWorkers(
+        devices=("cpu",), worker_index=1, num_workers=3, sum_across_workers=lambda n: n
+    )
+    dist = DistributedDataset(DataLoader(Stream(10), batch_size=4), workers)
+    clone = pickle.loads(pickle.dumps(dist._source.iterable.dataset))
+    assert [b.tolist() for b in clone] == [[2], [6], [9]]
 
 
 @pytest.mark.timeout(30)
