@@ -103,6 +103,13 @@ def _is_dataclass_instance(x: Any) -> bool:
     return dataclasses.is_dataclass(x) and not isinstance(x, type)
 
 
+def _is_leaf_type(cls: type) -> bool:
+    """Whether every instance of `cls` is a leaf (what `_children` returns None for)."""
+    return issubclass(cls, DistributedValues) or not (
+        issubclass(cls, (list, tuple, dict)) or dataclasses.is_dataclass(cls)
+    )
+
+
 def _children(x: Any) -> list[Any] | None:
     """The children of a nest node in canonical order, or None for a leaf."""
     if isinstance(x, DistributedValues):
@@ -235,6 +242,21 @@ def regroup(per_replica: Sequence[Any], wrap: type[DistributedValues] = PerRepli
     first = per_replica[0]
     if len(per_replica) == 1:
         return first
+    kind = type(first)
+    if (
+        (kind is list or kind is tuple)
+        and all(type(p) is kind and len(p) == len(first) for p in per_replica)
+        and all(_is_leaf_type(t) for t in set().union(*(map(type, p) for p in per_replica)))
+    ):  # a plain list or tuple of leaves, the common case: no nest walk
+        leaves = []
+        for column in zip(*per_replica):
+            leaf = column[0]
+            for other in column:
+                if other is not leaf:
+                    leaf = wrap(column)
+                    break
+            leaves.append(leaf)
+        return leaves if kind is list else tuple(leaves)
     for i, other in enumerate(per_replica[1:], start=1):
         assert_same_structure(first, other, f"values of replica 0 and replica {i}")
     flat = [flatten(s) for s in per_replica]

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from distribute._enums import ReduceOp
-from distribute.collectives.packing import split_num_packs
-from distribute.errors import InvalidArgumentError
+from distribute.collectives.packing import pack_tensors, split_num_packs, unpack_tensors
+from distribute.errors import CollectiveMismatchError, InvalidArgumentError
 from distribute.values import DistributedValues, Mirrored
 
 __all__ = ["CrossDeviceOps", "HierarchicalCopyAllReduce", "NcclAllReduce", "ReductionToOneDevice"]
@@ -124,12 +124,18 @@ def packed_all_reduce(
 ) -> list[list[torch.Tensor]]:
     """All-reduces lists of tensors (one list per replica) in `num_packs` chunks.
 
-    TF's rule: every replica's tensors are concatenated into one flat buffer, split
-    into `num_packs` chunks (the last takes the remainder), and each chunk is
-    reduced; `num_packs == 0` reduces tensor by tensor.
+    TF's rule: every replica's tensors are concatenated into one flat buffer (one
+    per dtype here), split into `num_packs` chunks (the last takes the
+    remainder), and each chunk is reduced; `num_packs == 0` reduces tensor by
+    tensor.
 
     Returns:
-        One list of reduced tensors per replica, on that replica's devices.
+        One list of reduced tensors per replica, on that replica's devices: views
+        of one buffer per replica and dtype.
+
+    Raises:
+        InvalidArgumentError: `num_packs < 0`.
+        CollectiveMismatchError: the replicas' tensors differ in number, shape or dtype.
     """
     if num_packs < 0:
         raise InvalidArgumentError(f"num_packs must be >= 0, got {num_packs}")
@@ -143,30 +149,38 @@ def packed_all_reduce(
             )
             outs.append(reduced.values)
         return [[outs[j][r] for j in range(len(outs))] for r in range(n)]
-    flats = [torch.cat([t.detach().reshape(-1) for t in p]) for p in per_replica]
-    chunk_sizes = split_num_packs(flats[0].numel(), num_packs)
-    reduced_chunks: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    for chunks in zip(*(torch.split(f, chunk_sizes) for f in flats)):
-        if all(c.is_cuda for c in chunks) and len({c.device for c in chunks}) == n:
-            outputs = [c.clone() for c in chunks]
-            torch.cuda.nccl.all_reduce(outputs)  # type: ignore[no-untyped-call]  # torch.cuda.nccl is untyped
-            if op is ReduceOp.MEAN:
-                outputs = [o / n for o in outputs]
-        else:
-            outputs = list(
-                _reduce_to_one_device(op, Mirrored(chunks), [c.device for c in chunks], None).values
+    with torch.no_grad():
+        packs = [pack_tensors(p) for p in per_replica]
+    for r, pack in enumerate(packs[1:], start=1):
+        if not packs[0].same_layout(pack):
+            raise CollectiveMismatchError(
+                f"packed all-reduce: replica 0 passed {packs[0].describe()} but replica {r} "
+                f"passed {pack.describe()}; every replica must pass as many tensors, with "
+                "the same shapes and dtypes, in the same order"
             )
+    reduced_flats: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    for k in range(len(packs[0].flats)):
+        flats = [p.flats[k] for p in packs]
+        chunk_sizes = split_num_packs(flats[0].numel(), num_packs)
+        reduced_chunks: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        for chunks in zip(*(f.split_with_sizes(chunk_sizes) for f in flats)):
+            if all(c.is_cuda for c in chunks) and len({c.device for c in chunks}) == n:
+                outputs = [c.clone() for c in chunks]
+                torch.cuda.nccl.all_reduce(outputs)  # type: ignore[no-untyped-call]  # torch.cuda.nccl is untyped
+                if op is ReduceOp.MEAN:
+                    outputs = [o / n for o in outputs]
+            else:
+                outputs = list(
+                    _reduce_to_one_device(
+                        op, Mirrored(chunks), [c.device for c in chunks], None
+                    ).values
+                )
+            for r in range(n):
+                reduced_chunks[r].append(outputs[r])
         for r in range(n):
-            reduced_chunks[r].append(outputs[r])
-    results = []
-    for r in range(n):
-        flat = torch.cat(reduced_chunks[r])
-        out, offset = [], 0
-        for t in per_replica[r]:
-            out.append(flat[offset : offset + t.numel()].view(t.shape).to(devices[r]))
-            offset += t.numel()
-        results.append(out)
-    return results
+            chunks_r = reduced_chunks[r]
+            reduced_flats[r].append(chunks_r[0] if len(chunks_r) == 1 else torch.cat(chunks_r))
+    return [unpack_tensors(reduced_flats[r], packs[r].shapes, packs[r].groups) for r in range(n)]
 
 
 class _AllReduceOps(CrossDeviceOps):

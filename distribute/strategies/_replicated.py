@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -19,6 +20,7 @@ import torch
 
 from distribute import context
 from distribute._enums import ReduceOp, VariableAggregation, VariableSynchronization
+from distribute.collectives.packing import PackedTensors, pack_tensors, sum_packs, unpack_tensors
 from distribute.context import ReplicaContext
 from distribute.errors import (
     CollectiveMismatchError,
@@ -470,74 +472,71 @@ class ReplicatedExtended(StrategyExtended):
     def _all_reduce_tensors(
         self, local: int, op: ReduceOp, tensors: Sequence[torch.Tensor], name: str
     ) -> list[torch.Tensor]:
-        """All-reduces `tensors` over every replica; returns replica `local`'s copies."""
+        """All-reduces `tensors` over every replica; returns replica `local`'s copies.
 
-        def combine(per_replica: list[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
-            self._check_same_signatures(name, per_replica)
-            return self._packed_sum(per_replica, op, name)
-
-        detached = [t.detach() for t in tensors]
-        per_replica_results: list[list[torch.Tensor]] = self._exchange(
-            local, f"all_reduce {name}", detached, combine
-        )
-        return per_replica_results[local]
-
-    def _packed_sum(
-        self, per_replica: Sequence[Sequence[torch.Tensor]], op: ReduceOp, name: str
-    ) -> list[list[torch.Tensor]]:
-        """Sums tensor lists over every replica, packed into one flat buffer per dtype.
-
-        Returns one list of result tensors per local replica, on its device.
+        Each replica packs its tensors into one buffer per dtype in its own thread
+        (the copies of different replicas overlap, outside the GIL); the last
+        replica to arrive compares the layouts (a tuple comparison per replica; the
+        tensor-by-tensor description only when they differ) and sums the buffers;
+        then each replica copies the sums to its device and cuts its copy into
+        views, again in its own thread. No Python step is taken per tensor beyond
+        reading shapes and dtypes.
         """
-        first = per_replica[0]
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for j, t in enumerate(first):
-            by_dtype.setdefault(t.dtype, []).append(j)
-        groups = list(by_dtype.values())
-        totals = []
-        for indices in groups:
-            flats = [_flatten([p[j] for j in indices]) for p in per_replica]
-            totals.append(_sum_to(flats, self._devices[0]))
-        if self._cross_worker is not None:
-            totals = self._cross_worker.all_reduce(totals, ReduceOp.SUM, name=name)
-        if op is ReduceOp.MEAN:
-            n = self._num_replicas_in_sync()
-            totals = [t / n if t.is_floating_point() else t.double() / n for t in totals]
-        results: list[list[torch.Tensor]] = []
-        for device in self._devices:
-            out: list[torch.Tensor] = [first[0]] * len(first)
-            for indices, total in zip(groups, totals):
-                flat = total.to(device, copy=True)
-                offset = 0
-                for j in indices:
-                    numel = first[j].numel()
-                    out[j] = flat[offset : offset + numel].view(first[j].shape)
-                    offset += numel
-            results.append(out)
-        return results
 
-    def _check_same_signatures(self, name: str, per_replica: list[Sequence[torch.Tensor]]) -> None:
-        signatures = [[(t.dtype, tuple(t.shape)) for t in p] for p in per_replica]
-        for i, sig in enumerate(signatures[1:], start=1):
-            if sig != signatures[0]:
-                raise CollectiveMismatchError(
-                    f"{name}: replica {self._global_id(0)} passed {_describe(signatures[0])} but "
-                    f"replica {self._global_id(i)} passed {_describe(sig)}; every replica "
-                    "must pass "
-                    "the same structure, shapes and dtypes"
-                )
+        def combine(packs: list[PackedTensors]) -> list[torch.Tensor]:
+            for i, pack in enumerate(packs[1:], start=1):
+                if not packs[0].same_layout(pack):
+                    raise CollectiveMismatchError(
+                        f"{name}: replica {self._global_id(0)} passed {packs[0].describe()} but "
+                        f"replica {self._global_id(i)} passed {pack.describe()}; every replica "
+                        "must pass the same structure, shapes and dtypes"
+                    )
+            totals = sum_packs(packs, self._devices[0])
+            if self._cross_worker is not None:
+                totals = self._cross_worker.all_reduce(totals, ReduceOp.SUM, name=name)
+            if op is ReduceOp.MEAN:
+                n = self._num_replicas_in_sync()
+                totals = [t / n if t.is_floating_point() else t.double() / n for t in totals]
+            return totals  # read by every replica, written by none
+
+        with torch.no_grad():
+            packed = pack_tensors(tensors)
+        totals: list[torch.Tensor] = self._exchange(local, f"all_reduce {name}", packed, combine)
+        device = self._devices[local]
+        own = [t.to(device, copy=True) for t in totals]
+        return unpack_tensors(own, packed.shapes, packed.groups)
 
     def _replica_all_reduce(self, replica_ctx: ReplicaContext, op: ReduceOp, value: Any) -> Any:
-        leaves = flatten(value)
         if self._num_replicas_in_sync() == 1:
             return value
-        tensors = [torch.as_tensor(leaf) for leaf in leaves]
         local = replica_ctx.local_replica_id
-        outs = _AllReduce.apply(self, local, op, "all_reduce", *tensors)  # type: ignore[no-untyped-call]  # autograd.Function.apply is untyped
+        # A tensor, or a plain list or tuple of tensors (the common cases): no nest walk.
+        if type(value) is torch.Tensor:
+            return self._all_reduce_leaves(local, op, [value])[0]
+        if type(value) in (list, tuple) and set(map(type, value)) <= {torch.Tensor}:
+            return type(value)(self._all_reduce_leaves(local, op, list(value)))
+        leaves = flatten(value)
+        outs = self._all_reduce_leaves(local, op, [torch.as_tensor(leaf) for leaf in leaves])
         results = [
             out if isinstance(leaf, torch.Tensor) else out.item() for leaf, out in zip(leaves, outs)
         ]
         return pack_sequence_as(value, results)
+
+    def _all_reduce_leaves(
+        self, local: int, op: ReduceOp, tensors: list[torch.Tensor]
+    ) -> Sequence[torch.Tensor]:
+        """`_all_reduce_tensors`, behind an autograd node only if a tensor needs a gradient.
+
+        The node has one input and one output per tensor, which costs more than the
+        reduction itself for many small tensors; with no gradient to carry it is
+        skipped.
+        """
+        if torch.is_grad_enabled() and any(map(_requires_grad, tensors)):
+            outs: tuple[torch.Tensor, ...] = _AllReduce.apply(  # type: ignore[no-untyped-call]  # autograd.Function.apply is untyped
+                self, local, op, "all_reduce", *tensors
+            )
+            return outs
+        return self._all_reduce_tensors(local, op, tensors, "all_reduce")
 
     def _replica_all_gather(self, replica_ctx: ReplicaContext, value: Any, axis: int) -> Any:
         leaves = flatten(value)
@@ -762,6 +761,9 @@ def _is_dataclass(x: Any) -> bool:
     return dataclasses.is_dataclass(x) and not isinstance(x, type)
 
 
+_requires_grad = operator.attrgetter("requires_grad")
+
+
 def _sum_to(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     total = tensors[0].detach().to(device, copy=True)
     for t in tensors[1:]:
@@ -771,16 +773,6 @@ def _sum_to(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tens
 
 def _local_copies(var: DistributedVariable) -> list[torch.Tensor]:
     return [var._plain_component(i) for i in range(1 + len(var._ds_components))]
-
-
-def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    if len(tensors) == 1:
-        return tensors[0].detach().reshape(-1)
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
-
-
-def _describe(signature: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> str:
-    return "[" + ", ".join(f"{str(d).removeprefix('torch.')}{list(s)}" for d, s in signature) + "]"
 
 
 def _check_axis(tensor: torch.Tensor, axis: int, what: str) -> None:
