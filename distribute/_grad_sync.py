@@ -271,7 +271,7 @@ class GradientSynchronizer:
                     )
                     for r in range(len(per_replica))
                 ]
-                total = flats[0].clone()
+                total = flats[0]  # a fresh buffer (torch.cat copies): summed in place
                 for f in flats[1:]:
                     total += f.to(total.device)
                 packs.append((members, total))

@@ -25,6 +25,9 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adamw": lambda params, foreach: torch.optim.AdamW(
         params, lr=0.01, weight_decay=0.1, foreach=foreach
     ),
+    "rmsprop": lambda params, foreach: torch.optim.RMSprop(
+        params, lr=0.01, momentum=0.5, foreach=foreach
+    ),
 }
 
 STRATEGIES: dict[str, Callable[[], ds.Strategy]] = {
