@@ -4,15 +4,36 @@ raw torch.distributed, in the same worker processes (gloo on 127.0.0.1).
     python benchmarks/bench_multi_worker.py            # full (a few minutes)
     python benchmarks/bench_multi_worker.py --quick    # smoke run
 
-Prints JSON lines: {"bench", "config", "baseline_ms", "distribute_ms", "ratio", "goal"}.
-Both sides use the same model, batches, backend and threads (1 per process), and
-their repetitions are interleaved; medians are reported.
+Prints JSON lines: {"bench", "config", "baseline_ms", "distribute_ms", "ratio",
+"paired_ratio", "paired_ratio_iqr", "reps", "goal", "loadavg_1m_before"}.
+Both sides use the same model, batches, backend, bucket size (25 MiB, first bucket
+1 MiB: DDP's defaults) and threads (1 per process). Each side is warmed up first;
+then the sides run in turn inside every repetition, in an order that alternates
+(so drifts of a shared machine hit both alike), and the medians of the
+per-repetition times are reported. ratio = distribute_ms / baseline_ms (lower is
+better); paired_ratio and paired_ratio_iqr are the median and quartiles of the
+per-repetition ratios (robust to load that comes and goes, and a measure of the
+noise: figures taken while loadavg_1m_before is well above 0 are suspect).
+
+Benchmarks:
+    train_step_vs_ddp          one training step (forward, backward, SGD momentum,
+                               zero_grad): `strategy.run(step)` against the same step
+                               of a DistributedDataParallel model. Goal: <= 1.0.
+    large_all_reduce           64 MB float32 in place: `all_reduce(..., in_place=True)`
+                               against raw `dist.all_reduce(t)`. Goal: throughput
+                               (1 / ratio) >= 0.95.
+    large_all_reduce_copy      the same returning a new tensor (the default) against
+                               raw `dist.all_reduce(t.clone())`.
+    packed_vs_per_tensor       1000 tensors of 256 floats: one packed `all_reduce`
+                               against 1000 raw calls. Goal: 10x faster.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -23,9 +44,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import distribute as ds  # noqa: E402
-from distribute import launch  # noqa: E402
-from distribute._enums import ReduceOp  # noqa: E402
+import distribute as ds
+from distribute import launch
+from distribute._enums import ReduceOp
 
 
 def _model(width: int, depth: int) -> torch.nn.Module:
@@ -36,11 +57,26 @@ def _model(width: int, depth: int) -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
-def _time(fn: Any, iters: int) -> float:
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - start) / iters * 1000
+def _interleaved(cases: dict[str, Any], reps: int, calls: int) -> dict[str, list[float]]:
+    """Milliseconds per call of each case, one sample per repetition, after one warm-up call.
+
+    The cases run in turn in every repetition, in an order that alternates
+    (forward, then reversed). Every worker runs the same sequence, as collectives
+    require.
+    """
+    names = list(cases)
+    for name in names:  # warm-up: first-call costs (buffers, page faults) stay out
+        cases[name]()
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for rep in range(reps):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            fn = cases[name]
+            gc.collect()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[name].append((time.perf_counter() - start) / calls * 1000)
+    return samples
 
 
 def _worker(quick: bool) -> list[dict[str, Any]]:
@@ -48,11 +84,18 @@ def _worker(quick: bool) -> list[dict[str, Any]]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    # Both sides keep their defaults, which agree: buckets of 25 MiB, the first one
+    # (the last layers' gradients) closed after 1 MiB. Do not pass DDP an explicit
+    # bucket_cap_mb: that also turns its small first bucket off (torch 2.13), and a
+    # single bucket then changes how much communication overlaps the backward pass.
     strategy = ds.MultiWorkerMirroredStrategy()
     collectives = strategy.extended._cross_worker  # type: ignore[attr-defined]
     world = strategy.num_workers
     width, depth, batch = (512, 2, 32) if quick else (1024, 3, 64)
-    rounds, iters = (2, 3) if quick else (5, 10)
+    # Repetitions of `iters` steps: on a shared 2-core machine one repetition's ratio
+    # swings by about +-10%, so the median needs a few dozen of them.
+    warmup, step_reps, iters = (3, 4, 3) if quick else (5, 40, 5)
+    reps = 4 if quick else 20
     torch.manual_seed(0)
     x = torch.randn(batch, 256)
     y = torch.randint(0, 10, (batch,))
@@ -79,55 +122,132 @@ def _worker(quick: bool) -> list[dict[str, Any]]:
         ddp_opt.zero_grad()
 
     params = sum(p.numel() for p in baseline.parameters())
+    load = os.getloadavg()[0]
     results = []
-    dist_ms, base_ms = [], []
-    for _ in range(2):  # warm-up (the first strategy step also builds the buckets)
+    for _ in range(warmup):  # the first strategy step also builds the buckets
         strategy.run(step)
         ddp_step()
-    for _ in range(rounds):
-        dist_ms.append(_time(lambda: strategy.run(step), iters))
-        base_ms.append(_time(ddp_step, iters))
+    t = _interleaved({"ddp": ddp_step, "ours": lambda: strategy.run(step)}, step_reps, iters)
     results.append(
-        _line("train_step_vs_ddp", f"{world} workers, MLP {params / 1e6:.1f}M params, "
-              f"batch {batch}/worker, SGD momentum, gloo", base_ms, dist_ms, "<= 1.0")
+        _line(
+            "train_step_vs_ddp",
+            f"{world} workers, MLP {params / 1e6:.1f}M params, "
+            f"batch {batch}/worker, SGD momentum, gloo, buckets (bytes) ours "
+            f"{_our_buckets(strategy, optimizer)}, DDP {_ddp_buckets(ddp)}",
+            t["ddp"],
+            t["ours"],
+            "<= 1.0",
+            load,
+        )
     )
 
-    # Large all-reduce: throughput of ProcessGroupCollectives vs raw dist.all_reduce.
-    big = torch.randn((4 if quick else 16) * 1024 * 1024)  # 16 M floats = 64 MB
-    raw_ms, ours_ms = [], []
-    for _ in range(rounds):
-        raw_ms.append(_time(lambda: dist.all_reduce(big.clone()), 2))
-        ours_ms.append(
-            _time(lambda: collectives.all_reduce([big], ReduceOp.SUM, name="big"), 2)
-        )
+    # Large all-reduce: throughput of ProcessGroupCollectives vs raw dist.all_reduce,
+    # in place (each side on its own tensor; sums double at every call, harmlessly),
+    # and returning a new tensor (raw: reduce a clone).
+    numel = (4 if quick else 16) * 1024 * 1024  # 16 M floats = 64 MB
+    big = torch.randn(numel)
+    mine = big.clone()
+    theirs = big.clone()
+    mb = f"{numel * 4 / 2**20:.0f} MB float32"
+    load = os.getloadavg()[0]
+    t = _interleaved(
+        {
+            "raw": lambda: dist.all_reduce(theirs),
+            "ours": lambda: collectives.all_reduce([mine], ReduceOp.SUM, name="big", in_place=True),
+        },
+        reps,
+        1,
+    )
     results.append(
-        _line("large_all_reduce", f"{big.numel() * 4 / 2**20:.0f} MB float32 "
-              "(time ratio; throughput ratio = 1/ratio)", raw_ms, ours_ms, "throughput >= 0.95")
+        _line(
+            "large_all_reduce",
+            f"{mb} in place (time ratio; throughput ratio = 1/ratio)",
+            t["raw"],
+            t["ours"],
+            "throughput >= 0.95",
+            load,
+        )
+    )
+    load = os.getloadavg()[0]
+    t = _interleaved(
+        {
+            "raw": lambda: dist.all_reduce(big.clone()),
+            "ours": lambda: collectives.all_reduce([big], ReduceOp.SUM, name="big"),
+        },
+        reps,
+        1,
+    )
+    results.append(
+        _line(
+            "large_all_reduce_copy",
+            f"{mb} into a new tensor (raw: reduce a clone)",
+            t["raw"],
+            t["ours"],
+            "throughput >= 0.95",
+            load,
+        )
     )
 
     # 1000 small tensors: packed into one collective vs one collective per tensor.
     small = [torch.randn(256) for _ in range(1000)]
-    per_tensor_ms, packed_ms = [], []
-    for _ in range(rounds):
-        per_tensor_ms.append(
-            _time(lambda: [dist.all_reduce(t.clone()) for t in small], 1)
-        )
-        packed_ms.append(
-            _time(lambda: collectives.all_reduce(small, ReduceOp.SUM, name="small"), 1)
-        )
+    load = os.getloadavg()[0]
+    t = _interleaved(
+        {
+            "raw": lambda: [dist.all_reduce(x.clone()) for x in small],
+            "ours": lambda: collectives.all_reduce(small, ReduceOp.SUM, name="small"),
+        },
+        max(3, reps // 3),
+        1,
+    )
     results.append(
-        _line("packed_vs_per_tensor", "1000 x 256 float32 all-reduce (speedup = 1/ratio)",
-              per_tensor_ms, packed_ms, "speedup >= 10")
+        _line(
+            "packed_vs_per_tensor",
+            "1000 x 256 float32 all-reduce (speedup = 1/ratio)",
+            t["raw"],
+            t["ours"],
+            "speedup >= 10",
+            load,
+        )
     )
     strategy.shutdown()
     return results
 
 
-def _line(bench: str, config: str, base: list[float], ours: list[float], goal: str) -> dict[str, Any]:
+def _our_buckets(strategy: Any, optimizer: Any) -> list[int] | None:
+    """The strategy's gradient bucket sizes in bytes (internals: None if they moved)."""
+    try:
+        reducer = strategy.extended._grad_sync._reducers[optimizer][1]
+        return [int(b.buffer.numel() * b.buffer.element_size()) for b in reducer._buckets]
+    except (AttributeError, KeyError, TypeError):
+        return None
+
+
+def _ddp_buckets(ddp: Any) -> list[int] | None:
+    """DDP's bucket sizes in bytes after its first-iteration rebuild (None if unknown)."""
+    try:
+        sizes = ddp._get_ddp_logging_data()["rebuilt_bucket_sizes"]
+        return [int(s) for s in str(sizes).split(",")]
+    except (AttributeError, KeyError, ValueError):
+        return None
+
+
+def _line(
+    bench: str, config: str, base: list[float], ours: list[float], goal: str, load: float
+) -> dict[str, Any]:
     b, o = statistics.median(base), statistics.median(ours)
+    paired = [d / r for r, d in zip(base, ours)]
+    q = statistics.quantiles(paired, n=4, method="inclusive") if len(paired) > 1 else paired * 3
     return {
-        "bench": bench, "config": config, "baseline_ms": round(b, 3), "distribute_ms": round(o, 3),
-        "ratio": round(o / b, 3), "goal": goal,
+        "bench": bench,
+        "config": config,
+        "baseline_ms": round(b, 3),
+        "distribute_ms": round(o, 3),
+        "ratio": round(o / b, 3),
+        "paired_ratio": round(statistics.median(paired), 3),
+        "paired_ratio_iqr": [round(q[0], 3), round(q[2], 3)],
+        "reps": len(paired),
+        "goal": goal,
+        "loadavg_1m_before": round(load, 2),
     }
 
 

@@ -8,17 +8,27 @@ step, as DistributedDataParallel does:
 * the optimizer's variables are grouped, last layer first (gradients become ready
   in reverse), into buckets of about ``bytes_per_pack`` bytes, the first one small
   so communication starts early;
-* a post-accumulate-grad hook counts each bucket's ready gradients; a full bucket
-  is flattened and its all-reduce launched asynchronously, always in bucket order
-  (every worker must issue the same collectives in the same order);
+* each bucket owns one flat buffer, allocated once; a post-accumulate-grad hook
+  copies each gradient into its slot as soon as it is ready, and a full bucket's
+  all-reduce is launched asynchronously, in place on that buffer, always in
+  bucket order (every worker must issue the same collectives in the same order).
+  Spreading the copies over the backward pass means a bucket launches right
+  after its last gradient is copied, and reusing the buffer means no allocation
+  (and no page faults) per step;
 * at the optimizer step, buckets not launched yet (unused variables, or backward
-  passes under ``no_sync``) are launched, everything is waited for, and the sums are
-  copied back into ``.grad``.
+  passes under ``no_sync``) are filled and launched, everything is waited for, and
+  the sums are copied back into ``.grad``.
+
+The sums are copied back rather than handed over as views of the buffer: the
+buffer is written again at the next step, so a ``.grad`` aliasing it would change
+under anyone who kept it, and a backward pass accumulating into it would race
+with an all-reduce in flight.
 
 A variable whose gradient accumulates again after its bucket was launched (two
 backward passes without a step, outside ``no_sync``) makes that bucket stale: its
 result is discarded and the bucket is reduced again at the step with the final
-gradients, so accumulation stays exact.
+gradients, so accumulation stays exact. A gradient that accumulates again before
+its bucket launched is simply copied again.
 """
 
 from __future__ import annotations
@@ -51,12 +61,46 @@ class _AsyncCollectives(Protocol):
 
 
 class _Bucket:
-    def __init__(self, members: list[int], dtype: torch.dtype) -> None:
+    """One bucket: its variables, their slots in its flat buffer, and this step's state."""
+
+    __slots__ = ("buffer", "handle", "members", "name", "pending", "ready", "stale", "views")
+
+    def __init__(self, index: int, members: list[int], variables: Sequence[torch.Tensor]) -> None:
+        first = variables[members[0]]
+        numel = sum(variables[j].numel() for j in members)
         self.members = members
-        self.dtype = dtype
+        self.name = f"gradients (bucket {index})"
+        self.buffer = torch.empty(numel, dtype=first.dtype, device=first.device)
+        self.views = _slots(self.buffer, [variables[j] for j in members])
+        self.ready = [False] * len(members)
         self.pending = len(members)
         self.handle: _Handle | None = None
         self.stale = False
+
+    def reset(self) -> None:
+        self.ready = [False] * len(self.members)
+        self.pending = len(self.members)
+        self.handle = None
+        self.stale = False
+
+
+def _slots(flat: torch.Tensor, variables: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat``, one per variable, shaped like it, in order."""
+    views = []
+    offset = 0
+    for var in variables:
+        numel = var.numel()
+        views.append(flat[offset : offset + numel].view(var.shape))
+        offset += numel
+    return views
+
+
+def _copy_in(view: torch.Tensor, var: torch.Tensor) -> None:
+    grad = var.grad
+    if grad is None:
+        view.zero_()  # no gradient this step: it adds nothing to the sum
+    else:
+        view.copy_(grad.detach())
 
 
 class BucketReducer:
@@ -82,29 +126,27 @@ class BucketReducer:
         self._collectives = collectives
         self._skip = skip
         self._lock = threading.Lock()
-        by_dtype: dict[torch.dtype, list[int]] = {}
+        by_key: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for j, var in enumerate(self._variables):
-            by_dtype.setdefault(var.dtype, []).append(j)
+            by_key.setdefault((var.dtype, var.device), []).append(j)
         self._buckets: list[_Bucket] = []
-        for dtype, indices in by_dtype.items():
+        for (dtype, _), indices in by_key.items():
             sizes = [self._variables[j].numel() * dtype.itemsize for j in indices]
             first = min(FIRST_BUCKET_BYTES, bytes_per_pack) if not self._buckets else None
             for pack in pack_by_bytes(sizes, bytes_per_pack, first_pack_bytes=first):
-                self._buckets.append(_Bucket([indices[k] for k in pack], dtype))
-        self._bucket_of = {j: b for b, bucket in enumerate(self._buckets) for j in bucket.members}
+                members = [indices[k] for k in pack]
+                self._buckets.append(_Bucket(len(self._buckets), members, self._variables))
         self._next_launch = 0
         self._hooks = [
-            var.register_post_accumulate_grad_hook(self._hook_for(j))  # type: ignore[no-untyped-call]  # untyped in torch
-            for j, var in enumerate(self._variables)
+            var.register_post_accumulate_grad_hook(self._hook_for(bucket, k, var))  # type: ignore[no-untyped-call]  # untyped in torch
+            for bucket in self._buckets
+            for k, var in enumerate(self._variables[j] for j in bucket.members)
         ]
 
     @property
     def signature(self) -> list[tuple[str, int]]:
         """(dtype, elements) of each bucket, which every worker must share."""
-        return [
-            (str(b.dtype), sum(self._variables[j].numel() for j in b.members))
-            for b in self._buckets
-        ]
+        return [(str(b.buffer.dtype), b.buffer.numel()) for b in self._buckets]
 
     @property
     def num_buckets(self) -> int:
@@ -120,73 +162,76 @@ class BucketReducer:
             handle.remove()
         self._hooks = []
 
-    def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
+    def _hook_for(
+        self, bucket: _Bucket, k: int, var: torch.Tensor
+    ) -> Callable[[torch.Tensor], None]:
+        view = bucket.views[k]
+
         def hook(_: torch.Tensor) -> None:
             if self._skip():
                 return
             with self._lock:
-                bucket = self._buckets[self._bucket_of[index]]
-                if bucket.handle is not None:
+                if bucket.handle is not None:  # launched already: redo it at the step
                     bucket.stale = True
                     return
-                bucket.pending -= 1
-                self._launch_ready()
+                _copy_in(view, var)
+                if not bucket.ready[k]:
+                    bucket.ready[k] = True
+                    bucket.pending -= 1
+                    if bucket.pending == 0:
+                        self._launch_ready()
 
         return hook
 
+    def _fill(self, bucket: _Bucket) -> None:
+        """Copies every member's current gradient into the bucket's buffer."""
+        for view, j in zip(bucket.views, bucket.members):
+            _copy_in(view, self._variables[j])
+
     def _launch_ready(self) -> None:
-        while self._next_launch < len(self._buckets):
-            bucket = self._buckets[self._next_launch]
+        buckets = self._buckets
+        while self._next_launch < len(buckets):
+            bucket = buckets[self._next_launch]
             if bucket.pending > 0:
                 return
-            self._launch(self._next_launch)
+            self._launch(bucket)
             self._next_launch += 1
 
-    def _flat(self, bucket: _Bucket) -> torch.Tensor:
-        parts = []
-        for j in bucket.members:
-            var = self._variables[j]
-            grad = var.grad
-            parts.append(
-                grad.detach().reshape(-1)
-                if grad is not None
-                else torch.zeros(var.numel(), dtype=bucket.dtype, device=var.device)
-            )
-        return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-
-    def _launch(self, b: int) -> None:
-        bucket = self._buckets[b]
+    def _launch(self, bucket: _Bucket) -> None:
         bucket.handle = self._collectives.all_reduce_async(
-            [self._flat(bucket)], ReduceOp.SUM, name=f"gradients (bucket {b})"
+            [bucket.buffer], ReduceOp.SUM, name=bucket.name
         )
 
     def finish(self) -> None:
         """Launches what is left, waits for every bucket and writes the sums to `.grad`."""
         with self._lock:
-            while self._next_launch < len(self._buckets):
-                self._launch(self._next_launch)
+            buckets = self._buckets
+            while self._next_launch < len(buckets):
+                bucket = buckets[self._next_launch]
+                self._fill(bucket)
+                self._launch(bucket)
                 self._next_launch += 1
-            for b, bucket in enumerate(self._buckets):
+            for bucket in buckets:
                 assert bucket.handle is not None
                 total = bucket.handle.wait()[0]
                 if bucket.stale:
-                    self._launch(b)
+                    self._fill(bucket)
+                    self._launch(bucket)
                     assert bucket.handle is not None
                     total = bucket.handle.wait()[0]
                 self._write(bucket, total)
-                bucket.handle = None
-                bucket.stale = False
-                bucket.pending = len(bucket.members)
+                bucket.reset()
             self._next_launch = 0
 
     def _write(self, bucket: _Bucket, total: torch.Tensor) -> None:
-        offset = 0
-        for j in bucket.members:
+        # ``total`` is the buffer itself unless the backend needed a copy on another
+        # device. The buffer is reused, so gradients get copies, never views.
+        in_place = total.data_ptr() == bucket.buffer.data_ptr()
+        views = bucket.views if in_place else _slots(total, bucket.views)
+        for view, j in zip(views, bucket.members):
             var = self._variables[j]
-            numel = var.numel()
-            view = total[offset : offset + numel].view(var.shape)
-            offset += numel
-            if var.grad is None:
+            grad = var.grad
+            if grad is None:
                 var.grad = view.clone()
             else:
-                var.grad.copy_(view)
+                grad.copy_(view)
