@@ -19,6 +19,11 @@ step, as DistributedDataParallel does:
   passes under ``no_sync``) are filled and launched, everything is waited for, and
   the sums are copied back into ``.grad``.
 
+Each buffer ends with one flag per variable (1 where this worker has a gradient),
+summed with the gradients at no extra collective: a variable that no worker used
+keeps ``.grad = None``, as it would in one process, so optimizers skip it (a zero
+gradient would still apply weight decay and momentum to it).
+
 The sums are copied back rather than handed over as views of the buffer: the
 buffer is written again at the next step, so a ``.grad`` aliasing it would change
 under anyone who kept it, and a backward pass accumulating into it would race
@@ -63,15 +68,28 @@ class _AsyncCollectives(Protocol):
 class _Bucket:
     """One bucket: its variables, their slots in its flat buffer, and this step's state."""
 
-    __slots__ = ("buffer", "handle", "members", "name", "pending", "ready", "stale", "views")
+    __slots__ = (
+        "buffer",
+        "flags",
+        "handle",
+        "members",
+        "name",
+        "numel",
+        "pending",
+        "ready",
+        "stale",
+        "views",
+    )
 
     def __init__(self, index: int, members: list[int], variables: Sequence[torch.Tensor]) -> None:
         first = variables[members[0]]
         numel = sum(variables[j].numel() for j in members)
         self.members = members
         self.name = f"gradients (bucket {index})"
-        self.buffer = torch.empty(numel, dtype=first.dtype, device=first.device)
+        self.numel = numel
+        self.buffer = torch.empty(numel + len(members), dtype=first.dtype, device=first.device)
         self.views = _slots(self.buffer, [variables[j] for j in members])
+        self.flags = self.buffer[numel:]
         self.ready = [False] * len(members)
         self.pending = len(members)
         self.handle: _Handle | None = None
@@ -198,6 +216,8 @@ class BucketReducer:
             self._next_launch += 1
 
     def _launch(self, bucket: _Bucket) -> None:
+        used = [self._variables[j].grad is not None for j in bucket.members]
+        bucket.flags.copy_(torch.tensor(used, dtype=bucket.flags.dtype))
         bucket.handle = self._collectives.all_reduce_async(
             [bucket.buffer], ReduceOp.SUM, name=bucket.name
         )
@@ -228,10 +248,12 @@ class BucketReducer:
         # device. The buffer is reused, so gradients get copies, never views.
         in_place = total.data_ptr() == bucket.buffer.data_ptr()
         views = bucket.views if in_place else _slots(total, bucket.views)
-        for view, j in zip(views, bucket.members):
+        for k, (view, j) in enumerate(zip(views, bucket.members)):
             var = self._variables[j]
             grad = var.grad
             if grad is None:
+                if total[bucket.numel + k].item() == 0:
+                    continue  # no worker has a gradient for it: it stays None
                 var.grad = view.clone()
             else:
                 grad.copy_(view)

@@ -227,7 +227,7 @@ class GradientSynchronizer:
         if result is None:
             return
         device = ext._devices[local]
-        for indices, total in result:
+        for indices, total, unused in result:
             flat = total if total.device == device else total.to(device)
             offset = 0
             for j in indices:
@@ -237,18 +237,27 @@ class GradientSynchronizer:
                 offset += numel
                 grad = _get_grad(var, local)
                 if grad is None or grad.shape != var.shape:
-                    _set_grad(var, local, view.clone())
+                    if j not in unused:
+                        _set_grad(var, local, view.clone())
                 else:
                     grad.copy_(view)
 
     def _combine(
         self, per_replica: list[list[torch.Tensor | None]], variables: Sequence[DistributedVariable]
-    ) -> list[tuple[list[int], torch.Tensor]] | None:
+    ) -> list[tuple[list[int], torch.Tensor, set[int]]] | None:
+        """Packs and sums the local replicas' gradients, then across workers.
+
+        Returns ``(variable indices, summed flat gradients, indices no replica of
+        any worker has a gradient for)`` per pack. Across workers every variable
+        is packed (all workers must run the same collectives) and each pack ends
+        with one flag per variable, 1 where this worker has a gradient; summed,
+        the flags tell which variables nobody used, whose gradients stay None.
+        """
         ext = self._ext
         n_vars = len(per_replica[0])
-        present = [j for j in range(n_vars) if any(g[j] is not None for g in per_replica)]
-        if ext._num_workers > 1:
-            present = list(range(n_vars))  # every worker must run the same collectives
+        used = [any(g[j] is not None for g in per_replica) for j in range(n_vars)]
+        multi_worker = ext._num_workers > 1
+        present = list(range(n_vars)) if multi_worker else [j for j in range(n_vars) if used[j]]
         if not present:
             return None
         by_dtype: dict[torch.dtype, list[int]] = {}
@@ -262,25 +271,34 @@ class GradientSynchronizer:
             sizes = [variables[j].numel() * dtype.itemsize for j in indices]
             for pack in pack_by_bytes(sizes, ext._bytes_per_pack, reverse=False):
                 members = [indices[k] for k in pack]
+                flags = [torch.tensor([used[j] for j in members], dtype=dtype, device=devices[0])]
                 flats = [
                     torch.cat(
                         [
                             _flat_grad(per_replica[r][j], variables[j], dtype, devices[r])
                             for j in members
                         ]
+                        + (flags if multi_worker and r == 0 else [])
                     )
                     for r in range(len(per_replica))
                 ]
                 total = flats[0]  # a fresh buffer (torch.cat copies): summed in place
                 for f in flats[1:]:
-                    total += f.to(total.device)
+                    total[: f.numel()] += f.to(total.device)
                 packs.append((members, total))
-        if ext._cross_worker is not None:
-            totals = ext._cross_worker.all_reduce(
-                [t for _, t in packs], ReduceOp.SUM, name="gradients"
-            )
-            packs = [(m, t) for (m, _), t in zip(packs, totals)]
-        return packs
+        if not multi_worker:
+            return [(m, t, set()) for m, t in packs]
+        assert ext._cross_worker is not None
+        totals = ext._cross_worker.all_reduce([t for _, t in packs], ReduceOp.SUM, name="gradients")
+        result = []
+        for (members, _), total in zip(packs, totals):
+            numel = total.numel() - len(members)
+            unused: set[int] = set()
+            if not all(used[j] for j in members):  # only then read the flags (a device sync)
+                counts = total[numel:].tolist()
+                unused = {j for j, c in zip(members, counts) if c == 0}
+            result.append((members, total[:numel], unused))
+        return result
 
 
 def _flat_grad(

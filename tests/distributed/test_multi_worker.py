@@ -226,6 +226,57 @@ def _batchnorm_buffers(local_replicas: int) -> dict[str, Any]:
     }
 
 
+class _Branches(torch.nn.Module):
+    """`shared` always used, `only_rank_1` by replica 1 only, `never` not at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = torch.nn.Linear(3, 2)
+        self.only_rank_1 = torch.nn.Linear(2, 2)
+        self.never = torch.nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        h = self.shared(x)
+        return self.only_rank_1(h) if use_branch else h
+
+
+def _branch_input(rank: int, step: int, backward: int) -> torch.Tensor:
+    return torch.arange(6.0).reshape(2, 3) / (1 + rank + 2 * step + 5 * backward)
+
+
+def _branch_steps(
+    model: _Branches, optimizer: torch.optim.Optimizer, ranks: list[int], steps: int
+) -> None:
+    """Two backward passes per step (no no_sync) then one update, for `ranks`' inputs."""
+    for step in range(steps):
+        for backward in range(2):
+            for rank in ranks:
+                model(_branch_input(rank, step, backward), rank == 1).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _unused_and_accumulated(local_replicas: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    strategy = _strategy(local_replicas, bytes_per_pack=16)  # a bucket per parameter or two
+    with strategy.scope():
+        model = _Branches()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
+
+    def replica_steps() -> None:
+        ctx = ds.get_replica_context()
+        assert ctx is not None
+        _branch_steps(model, optimizer, [ctx.replica_id_in_sync_group], 3)
+
+    # With one local replica the first step aggregates synchronously and later ones
+    # overlap with backward, where the second backward pass makes launched buckets
+    # stale; with two, every step packs the local sums with the used flags.
+    strategy.run(replica_steps)
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    strategy.shutdown()
+    return {"params": params}
+
+
 # -- tests ---------------------------------------------------------------------------------
 
 
@@ -342,3 +393,21 @@ def test_batchnorm_statistics_are_averaged_over_every_replica_of_every_worker() 
             torch.testing.assert_close(torch.tensor(copy), running)
         assert out["num_batches_tracked"] == [2] * local_replicas
         assert out["constant"] == [torch.tensor([0.1, 1 / 3]).tolist()] * local_replicas
+
+
+@pytest.mark.parametrize("local_replicas", [1, 2])
+def test_unused_parameters_and_repeated_backward_match_one_process(local_replicas: int) -> None:
+    """A parameter no worker used keeps no gradient (weight decay leaves it alone); one
+    used by a single worker gets that worker's gradient everywhere; two backward passes
+    before a step accumulate exactly."""
+    results = launch.run(_unused_and_accumulated, 2, args=(local_replicas,), timeout=120)
+    torch.manual_seed(0)
+    model = _Branches()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _branch_steps(model, optimizer, list(range(2 * local_replicas)), 3)
+    expected = model.state_dict()
+    assert torch.equal(expected["never.weight"], before["never.weight"])
+    for out in results:
+        for name, value in expected.items():
+            torch.testing.assert_close(out["params"][name], value, rtol=1e-6, atol=1e-6)
