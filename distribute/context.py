@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from distribute._enums import ReduceOp
 from distribute.errors import ContextError
@@ -159,8 +158,7 @@ class ReplicaContext:
         )
 
 
-@dataclass(frozen=True)
-class _Entry:
+class _Entry(NamedTuple):
     strategy: Strategy
     replica_context: ReplicaContext | None
     in_merge: bool = False
@@ -179,19 +177,27 @@ def _top() -> _Entry | None:
     return _state.stack[-1] if _state.stack else None
 
 
-@contextlib.contextmanager
-def _push(
-    strategy: Strategy, replica_context: ReplicaContext | None, *, in_merge: bool = False
-) -> Iterator[None]:
+class _push:  # used like a function: `with _push(...)`
     """Makes `strategy` current in this thread (cross-replica when no replica context).
 
-    `in_merge` marks the cross-replica context of a `merge_call`'s `merge_fn`.
+    `in_merge` marks the cross-replica context of a `merge_call`'s `merge_fn`. A
+    plain class rather than a generator context manager: it is entered on every
+    `run`, where microseconds count.
     """
-    _state.stack.append(_Entry(strategy, replica_context, in_merge))
-    try:
-        yield
-    finally:
-        _state.stack.pop()
+
+    __slots__ = ("_entry", "_stack")
+
+    def __init__(
+        self, strategy: Strategy, replica_context: ReplicaContext | None, *, in_merge: bool = False
+    ) -> None:
+        self._entry = _Entry(strategy, replica_context, in_merge)
+        self._stack = _state.stack
+
+    def __enter__(self) -> None:
+        self._stack.append(self._entry)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.pop()
 
 
 def _enter_scope(strategy: Strategy) -> None:
