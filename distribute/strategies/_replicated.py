@@ -138,7 +138,9 @@ class ReplicatedExtended(StrategyExtended):
         self._num_workers = 1
         self._cross_worker: CrossWorker | None = None
         self._variables: weakref.WeakSet[DistributedVariable] = weakref.WeakSet()
-        self._buffers: weakref.WeakSet[DistributedVariable] = weakref.WeakSet()
+        # Creation order, the same on every worker (a WeakSet's order is not: it
+        # follows addresses), because the buffers' sync packs them in this order.
+        self._buffers: list[weakref.ref[DistributedVariable]] = []
         self._pending_broadcast: list[DistributedVariable] = []
         n = len(self._devices)
         self._rendezvous = Rendezvous(n, self._timeout) if n > 1 else None
@@ -241,6 +243,13 @@ class ReplicatedExtended(StrategyExtended):
     def _live_variables(self) -> list[DistributedVariable]:
         return list(self._variables)
 
+    def _live_buffers(self) -> list[DistributedVariable]:
+        """The buffers still alive, in creation order (dead references dropped)."""
+        alive = [b for ref in self._buffers if (b := ref()) is not None]
+        if len(alive) != len(self._buffers):
+            self._buffers = [weakref.ref(b) for b in alive]
+        return alive
+
     def _before_run(self) -> None:
         self._broadcast_initial_values()
         if self._num_local == 1:
@@ -256,7 +265,7 @@ class ReplicatedExtended(StrategyExtended):
             for var in self._live_variables():
                 if var._ds_synchronization is not VariableSynchronization.ON_READ:
                     var._mark_synced()  # every replica updated its own copy alike
-        buffers = list(self._buffers)
+        buffers = self._live_buffers()
         if buffers:
             self._sync_buffers(buffers)
 
@@ -356,7 +365,7 @@ class ReplicatedExtended(StrategyExtended):
             and not is_buffer,
         )
         if is_buffer:
-            self._buffers.add(var)
+            self._buffers.append(weakref.ref(var))
         if self._cross_worker is not None and sync is not VariableSynchronization.ON_READ:
             self._pending_broadcast.append(var)
         self._variables.add(var)
