@@ -212,6 +212,10 @@ def _batchnorm_buffers(local_replicas: int) -> dict[str, Any]:
     with strategy.scope():
         bn = torch.nn.BatchNorm1d(2, momentum=0.5)
         bn.register_buffer("constant", torch.tensor([0.1, 1 / 3]))
+        # More buffers of the same shape: the workers must pair them by creation
+        # order in the packed sync (a set's order differs between processes).
+        for i in range(6):
+            bn.register_buffer(f"constant_{i}", torch.tensor([float(i), -float(i)]))
 
     def fn() -> None:
         ctx = ds.get_replica_context()
@@ -222,18 +226,23 @@ def _batchnorm_buffers(local_replicas: int) -> dict[str, Any]:
     strategy.run(fn)
     return {
         name: [c.tolist() for c in getattr(bn, name).values]
-        for name in ("running_mean", "num_batches_tracked", "constant")
+        for name in ["running_mean", "num_batches_tracked", "constant"]
+        + [f"constant_{i}" for i in range(6)]
     }
 
 
 class _Branches(torch.nn.Module):
-    """`shared` always used, `only_rank_1` by replica 1 only, `never` not at all."""
+    """`shared` always used, `only_rank_1` by replica 1 only, `never` not at all.
+
+    `shared` is registered last, so its gradients fill the first buckets (buckets
+    follow the reverse registration order) and are launched during backward.
+    """
 
     def __init__(self) -> None:
         super().__init__()
-        self.shared = torch.nn.Linear(3, 2)
-        self.only_rank_1 = torch.nn.Linear(2, 2)
         self.never = torch.nn.Linear(2, 2)
+        self.only_rank_1 = torch.nn.Linear(2, 2)
+        self.shared = torch.nn.Linear(3, 2)
 
     def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
         h = self.shared(x)
@@ -245,7 +254,11 @@ def _branch_input(rank: int, step: int, backward: int) -> torch.Tensor:
 
 
 def _branch_steps(
-    model: _Branches, optimizer: torch.optim.Optimizer, ranks: list[int], steps: int
+    model: _Branches,
+    optimizer: torch.optim.Optimizer,
+    ranks: list[int],
+    steps: int,
+    set_to_none: bool = True,
 ) -> None:
     """Two backward passes per step (no no_sync) then one update, for `ranks`' inputs."""
     for step in range(steps):
@@ -253,10 +266,10 @@ def _branch_steps(
             for rank in ranks:
                 model(_branch_input(rank, step, backward), rank == 1).square().sum().backward()
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
 
 
-def _unused_and_accumulated(local_replicas: int) -> dict[str, Any]:
+def _unused_and_accumulated(local_replicas: int, set_to_none: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     strategy = _strategy(local_replicas, bytes_per_pack=16)  # a bucket per parameter or two
     with strategy.scope():
@@ -266,12 +279,67 @@ def _unused_and_accumulated(local_replicas: int) -> dict[str, Any]:
     def replica_steps() -> None:
         ctx = ds.get_replica_context()
         assert ctx is not None
-        _branch_steps(model, optimizer, [ctx.replica_id_in_sync_group], 3)
+        _branch_steps(model, optimizer, [ctx.replica_id_in_sync_group], 3, set_to_none)
 
     # With one local replica the first step aggregates synchronously and later ones
     # overlap with backward, where the second backward pass makes launched buckets
-    # stale; with two, every step packs the local sums with the used flags.
+    # stale; with two, every step packs the local sums with the used flags. With
+    # set_to_none=False the gradients stay views of the buckets between steps, so
+    # backward accumulates into the buckets themselves.
     strategy.run(replica_steps)
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    strategy.shutdown()
+    return {"params": params}
+
+
+def _different_backward_counts() -> dict[str, Any]:
+    rank = int(os.environ["RANK"])
+    strategy = _strategy(1, timeout_seconds=30)
+    with strategy.scope():
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(passes: int) -> None:
+        for _ in range(passes):
+            model(torch.ones(2, 3)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    strategy.run(step, args=(1,))  # the first step aggregates synchronously
+    strategy.run(step, args=(1,))  # from here on, overlapped buckets
+    try:
+        strategy.run(step, args=(1 + rank,))
+    except ds.errors.CollectiveMismatchError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+def _grad_edits(model: torch.nn.Module, rank: int) -> None:
+    """What a worker does to its gradients between backward and the step."""
+    if rank == 1:
+        for p in model.parameters():
+            assert p.grad is not None
+            p.grad.mul_(0.5)  # in place, as clip_grad_norm_ does when it clips
+    else:
+        model.bias.grad = model.bias.grad * 2  # type: ignore[operator]  # a new tensor
+
+
+def _edited_gradients() -> dict[str, Any]:
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    strategy = _strategy(1, bytes_per_pack=4)  # bias, then weight: two buckets
+    with strategy.scope():
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(i: int) -> None:
+        model(torch.full((2, 3), float(i + rank))).square().sum().backward()
+        _grad_edits(model, rank)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for i in range(3):  # the first step synchronously, then overlapped
+        strategy.run(step, args=(i,))
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
     strategy.shutdown()
     return {"params": params}
@@ -393,21 +461,65 @@ def test_batchnorm_statistics_are_averaged_over_every_replica_of_every_worker() 
             torch.testing.assert_close(torch.tensor(copy), running)
         assert out["num_batches_tracked"] == [2] * local_replicas
         assert out["constant"] == [torch.tensor([0.1, 1 / 3]).tolist()] * local_replicas
+        for i in range(6):
+            assert out[f"constant_{i}"] == [[float(i), -float(i)]] * local_replicas
 
 
-@pytest.mark.parametrize("local_replicas", [1, 2])
-def test_unused_parameters_and_repeated_backward_match_one_process(local_replicas: int) -> None:
+@pytest.mark.parametrize(
+    ("local_replicas", "set_to_none"),
+    [(1, True), (2, True), (1, False)],
+    ids=["1-local", "2-local", "1-local-zero_grad-in-place"],
+)
+def test_unused_parameters_and_repeated_backward_match_one_process(
+    local_replicas: int, set_to_none: bool
+) -> None:
     """A parameter no worker used keeps no gradient (weight decay leaves it alone); one
     used by a single worker gets that worker's gradient everywhere; two backward passes
     before a step accumulate exactly."""
-    results = launch.run(_unused_and_accumulated, 2, args=(local_replicas,), timeout=120)
+    results = launch.run(
+        _unused_and_accumulated, 2, args=(local_replicas, set_to_none), timeout=120
+    )
     torch.manual_seed(0)
     model = _Branches()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    _branch_steps(model, optimizer, list(range(2 * local_replicas)), 3)
+    _branch_steps(model, optimizer, list(range(2 * local_replicas)), 3, set_to_none)
     expected = model.state_dict()
     assert torch.equal(expected["never.weight"], before["never.weight"])
     for out in results:
         for name, value in expected.items():
+            torch.testing.assert_close(out["params"][name], value, rtol=1e-6, atol=1e-6)
+
+
+def test_workers_making_different_numbers_of_backward_passes_get_an_error() -> None:
+    """Rank 1 runs backward twice before the step, rank 0 once: an error on both
+    ranks naming the counts, instead of collectives paired across steps."""
+    results = launch.run(_different_backward_counts, 2, timeout=120)
+    for out in results:
+        assert out["error"] is not None
+        assert "backward passes" in out["error"], out["error"]
+        assert "rank 0" in out["error"] and "rank 1" in out["error"], out["error"]
+
+
+def test_gradients_edited_between_backward_and_step_are_what_is_summed() -> None:
+    """In-place edits (clipping) on one worker, a replaced `.grad` on the other: the
+    sum is of the gradients the step finds, even for buckets launched in backward."""
+    results = launch.run(_edited_gradients, 2, timeout=120)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(3):
+        total = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+        for rank in range(2):
+            model.zero_grad()
+            model(torch.full((2, 3), float(i + rank))).square().sum().backward()
+            _grad_edits(model, rank)
+            for name, p in model.named_parameters():
+                assert p.grad is not None
+                total[name] += p.grad
+        for name, p in model.named_parameters():
+            p.grad = total[name]
+        optimizer.step()
+    for out in results:
+        for name, value in model.state_dict().items():
             torch.testing.assert_close(out["params"][name], value, rtol=1e-6, atol=1e-6)
