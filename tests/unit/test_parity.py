@@ -108,3 +108,53 @@ def test_parameters_actually_moved() -> None:
         (a - b.detach()).abs().max().item() for a, b in zip(before.parameters(), after.parameters())
     )
     assert moved > 1e-3
+
+
+def train_clipped(strategy: ds.Strategy | None, max_norm: float) -> torch.nn.Module:
+    """SGD with clipping by global norm; under a strategy, the summed gradient is clipped
+    (automatic aggregation off, gradients all-reduced by hand), as README says."""
+    if strategy is None:
+        model = make_model()
+        optimizer = OPTIMIZERS["sgd_momentum"](model.parameters(), False)
+    else:
+        with strategy.scope():
+            model = make_model()
+            optimizer = OPTIMIZERS["sgd_momentum"](model.parameters(), False)
+        strategy.extended.experimental_aggregate_gradients = False
+    x_all, y_all = data()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        per_example = torch.nn.functional.mse_loss(model(x), y, reduction="none").mean(dim=1)
+        ds.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH).backward()
+        params = list(model.parameters())
+        if strategy is not None:
+            ctx = ds.get_replica_context()
+            assert ctx is not None
+            summed = ctx.all_reduce("sum", [p.grad for p in params])
+            for p, g in zip(params, summed):
+                p.grad = g
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        assert norm > max_norm  # clipping is active
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for s in range(STEPS):
+        x = x_all[s * GLOBAL_BATCH : (s + 1) * GLOBAL_BATCH]
+        y = y_all[s * GLOBAL_BATCH : (s + 1) * GLOBAL_BATCH]
+        if strategy is None:
+            step(x, y)
+            continue
+        n = strategy.num_replicas_in_sync
+        strategy.run(step, args=(ds.PerReplica(x.chunk(n)), ds.PerReplica(y.chunk(n))))
+    return model
+
+
+@pytest.mark.parametrize("strategy_name", ["mirrored_2", "mirrored_4"])
+def test_clipping_the_summed_gradient_by_hand_matches_single_device(strategy_name: str) -> None:
+    reference = train_clipped(None, max_norm=0.05)
+    model = train_clipped(STRATEGIES[strategy_name](), max_norm=0.05)
+    for ref, param in zip(reference.parameters(), model.parameters()):
+        assert isinstance(param, ds.MirroredVariable)
+        torch.testing.assert_close(param.values[0], ref.detach(), rtol=0, atol=1e-5)
+        for component in param.values[1:]:
+            assert torch.equal(component, param.values[0]), "replica copies diverged"
