@@ -348,36 +348,48 @@ def _edited_gradients() -> dict[str, Any]:
 # -- tests ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("local_replicas", [1, 2])
-def test_two_workers_replica_ids_reduce_gather_and_input(local_replicas: int) -> None:
-    results = launch.run(_basics, 2, args=(local_replicas,), timeout=120)
-    n = 2 * local_replicas
+@pytest.mark.parametrize(
+    ("workers", "local_replicas"),
+    [(2, 1), (2, 2), (4, 1), (4, 2)],
+    ids=["2x1", "2x2", "4x1", "4x2"],
+)
+def test_workers_replica_ids_reduce_gather_and_input(workers: int, local_replicas: int) -> None:
+    results = launch.run(_basics, workers, args=(local_replicas,), timeout=150)
+    n = workers * local_replicas
     for rank, out in enumerate(results):
         assert out["rank"] == rank and out["n"] == n
         assert out["ids"] == [rank * local_replicas + i for i in range(local_replicas)]
         assert out["sum"] == sum(range(1, n + 1))
         assert out["mean"] == pytest.approx(sum(range(1, n + 1)) / n)
-        assert out["host_sum"] == 4.0  # a host value is summed across workers, as in TF
+        assert out["host_sum"] == 2.0 * workers  # a host value is summed across workers, as in TF
         assert out["gather"] == [[float(r), float(r)] for r in range(n) for _ in range(r + 1)]
         assert all(g == [r for r in range(n) for _ in range(2)] for g in out["all_gather"])
         assert all(v == [float(sum(range(n)))] * 3 for v in out["all_reduce"])
-    # Input: every element once, per step sizes differ by at most one, all stop together.
-    steps = [
-        results[0]["steps"][i] + results[1]["steps"][i] for i in range(len(results[0]["steps"]))
-    ]
-    assert len(results[0]["steps"]) == len(results[1]["steps"]) == 3
+    # Input (10 elements, global batches of 4): every element once, per step sizes
+    # differ by at most one, every worker stops after the same 3 steps.
+    assert all(len(out["steps"]) == 3 for out in results)
+    steps = [[part for out in results for part in out["steps"][i]] for i in range(3)]
     seen = sorted(x for step in steps for part in step for x in part)
     assert seen == list(range(10))
     for step in steps:
         sizes = [len(part) for part in step]
-        assert max(sizes) - min(sizes) <= 1
-    assert [len(p) for p in steps[-1]] == ([1, 1] if local_replicas == 1 else [1, 1, 0, 0])
+        assert len(sizes) == n and max(sizes) - min(sizes) <= 1
+    last = [len(p) for p in steps[-1]]
+    assert sum(last) == 2
+    if workers == 2:
+        assert last == ([1, 1] if local_replicas == 1 else [1, 1, 0, 0])
 
 
 @pytest.mark.parametrize(
     ("workers", "local_replicas", "optimizer_name", "accumulate"),
-    [(2, 1, "sgd", 1), (2, 2, "adam", 1), (4, 1, "adam", 1), (2, 1, "sgd", 2)],
-    ids=["2x1-sgd-overlapped", "2x2-adam-hierarchical", "4x1-adam", "2x1-no_sync-accumulation"],
+    [(2, 1, "sgd", 1), (2, 2, "adam", 1), (4, 1, "adam", 1), (4, 2, "sgd", 1), (2, 1, "sgd", 2)],
+    ids=[
+        "2x1-sgd-overlapped",
+        "2x2-adam-hierarchical",
+        "4x1-adam",
+        "4x2-sgd",
+        "2x1-no_sync-accumulation",
+    ],
 )
 def test_training_matches_single_process_with_different_seeds(
     workers: int, local_replicas: int, optimizer_name: str, accumulate: int
