@@ -5,42 +5,39 @@ With one local replica per worker (the common multi-worker layout) the sum over
 replicas is a pure cross-process all-reduce, so it can start before the optimizer
 step, as DistributedDataParallel does:
 
-* the optimizer's variables are grouped, last layer first (gradients become ready
-  in reverse), into buckets of about ``bytes_per_pack`` bytes, the first one small
-  so communication starts early;
+* the optimizer's variables that require grad are grouped into buckets of about
+  ``bytes_per_pack`` bytes per dtype and device, the first one small so
+  communication starts early, and the buckets are launched in the order their
+  gradients are expected (last layers first, across dtypes);
 * each bucket owns one flat buffer, allocated once; a post-accumulate-grad hook
   copies each gradient into its slot as soon as it is ready, and a full bucket's
-  all-reduce is launched asynchronously, in place on that buffer, always in
-  bucket order (every worker must issue the same collectives in the same order).
-  Spreading the copies over the backward pass means a bucket launches right
-  after its last gradient is copied, and reusing the buffer means no allocation
-  (and no page faults) per step;
-* at the optimizer step the remaining buckets are filled and launched, everything
-  is waited for, and each ``.grad`` becomes a view of its slot in the summed
-  buffer (as DDP's ``gradient_as_bucket_view=True``): no copy back.
+  all-reduce is launched asynchronously, in place on that buffer;
+* every worker must issue the same collectives in the same order, also when
+  workers use different parameters (data-dependent branches) and when user code
+  runs collectives between backward and the step (logging the loss). So buckets
+  launch strictly in order, and at the end of every backward pass (an autograd
+  callback) every bucket not launched yet is launched, as DDP's
+  ``find_unused_parameters`` does, except the last one;
+* the last bucket is launched at the optimizer step (it holds the first layers'
+  gradients, ready at the very end of backward anyway). The step waits for
+  everything, and each ``.grad`` becomes a view of its slot in the summed buffer
+  (as DDP's ``gradient_as_bucket_view=True``): no copy back.
 
 What is summed is each worker's ``.grad`` as the optimizer step finds it, as in
-one process with several replicas: the step notices a gradient changed since it
-was copied (another backward pass, or user code such as clipping: a new tensor or
-a bumped version counter). Deciding to reduce again must happen alike on every
-worker, and a worker that made a different number of backward passes must fail
-rather than pair its collectives with the others' next step. So:
+one process with several replicas. A gradient that changed after its bucket was
+launched (another backward pass, or user code between backward and the step
+replacing ``.grad`` or modifying it in place) is noticed by its identity and
+version counter. Whether any worker saw such a change travels in a slot at the
+end of the last bucket; when the summed slot is not 0, every worker fills every
+bucket again from its final gradients and reduces it a second time, so all
+workers issue the same collectives. Edits that do not bump the version counter
+(through ``.grad.data``, or ``torch.amp.GradScaler.unscale_``'s fused kernel)
+are not noticed.
 
-* the backward passes are counted (an autograd end-of-pass callback);
-* the last bucket in launch order is always launched at the step (it holds the
-  first layers' gradients, ready at the very end of backward anyway); its buffer
-  ends with two slots: 1 where this worker's pass count is not the usual 1, and 1
-  where a gradient changed after its bucket was launched;
-* each buffer also ends with one flag per variable, 1 where this worker has a
-  gradient: a variable that no worker used keeps ``.grad = None``, as it would in
-  one process, so optimizers skip it (a zero gradient would still apply weight
-  decay and momentum to it).
-
-After the waits, a non-zero pass slot makes the workers compare their counts
-(`check_same`: a mismatch raises on every rank); a non-zero change slot, or equal
-counts above 1, makes every worker fill every bucket again from the final
-gradients and reduce it a second time. The common step pays for none of this but
-two extra elements in one all-reduce.
+Each buffer also ends with one flag per variable, 1 where this worker has a
+gradient: a variable that no worker used keeps ``.grad = None``, as it would in
+one process, so optimizers skip it (a zero gradient would still apply weight
+decay and momentum to it).
 
 A ``.grad`` handed over as a view is safe to read and modify until the next
 backward pass writes the buffer again; code that keeps a gradient across steps
@@ -62,7 +59,6 @@ from torch.autograd import Variable
 
 from distribute._enums import ReduceOp
 from distribute.collectives.packing import pack_by_bytes
-from distribute.errors import CollectiveMismatchError
 
 __all__ = ["BucketReducer", "FIRST_BUCKET_BYTES"]
 
@@ -89,24 +85,36 @@ _Seen = tuple["weakref.ref[torch.Tensor]", int] | None
 class _Bucket:
     """One bucket: its variables, their slots in its flat buffer, and this step's state."""
 
-    __slots__ = ("buffer", "flags", "handle", "members", "name", "pending", "seen", "views")
+    __slots__ = (
+        "buffer",
+        "flags",
+        "handle",
+        "hooked",
+        "members",
+        "name",
+        "pending",
+        "seen",
+        "views",
+    )
 
-    def __init__(self, index: int, members: list[int], variables: Sequence[torch.Tensor]) -> None:
+    def __init__(self, members: list[int], variables: Sequence[torch.Tensor]) -> None:
         first = variables[members[0]]
         numel = sum(variables[j].numel() for j in members)
         self.members = members
-        self.name = f"gradients (bucket {index})"
-        # The gradients, one used-flag per member, the pass slot and the change slot.
-        self.buffer = torch.empty(numel + len(members) + 2, dtype=first.dtype, device=first.device)
+        self.name = ""  # set once the launch order is known
+        # The gradients, one used-flag per member, then the redo slot.
+        self.buffer = torch.empty(numel + len(members) + 1, dtype=first.dtype, device=first.device)
         self.views = _slots(self.buffer, [variables[j] for j in members])
         self.flags = self.buffer[numel:]
+        # Members whose hook marks them ready; the others are copied at launch.
+        self.hooked = sum(1 for j in members if variables[j].requires_grad)
         self.seen: list[_Seen | Literal[False]] = [False] * len(members)  # False: not copied
-        self.pending = len(members)
+        self.pending = self.hooked
         self.handle: _Handle | None = None
 
     def reset(self) -> None:
         self.seen = [False] * len(self.members)
-        self.pending = len(self.members)
+        self.pending = self.hooked
         self.handle = None
 
 
@@ -119,6 +127,12 @@ def _slots(flat: torch.Tensor, variables: Sequence[torch.Tensor]) -> list[torch.
         views.append(flat[offset : offset + numel].view(var.shape))
         offset += numel
     return views
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 def _seen(grad: torch.Tensor | None) -> _Seen:
@@ -161,21 +175,30 @@ class BucketReducer:
         by_key: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for j, var in enumerate(self._variables):
             by_key.setdefault((var.dtype, var.device), []).append(j)
+        last = self._variables[-1]
         self._buckets: list[_Bucket] = []
-        for (dtype, _), indices in by_key.items():
+        for (dtype, device), indices in by_key.items():
             sizes = [self._variables[j].numel() * dtype.itemsize for j in indices]
-            first = min(FIRST_BUCKET_BYTES, bytes_per_pack) if not self._buckets else None
+            # The small first bucket goes to the group whose gradients come first.
+            early = (dtype, device) == (last.dtype, last.device)
+            first = min(FIRST_BUCKET_BYTES, bytes_per_pack) if early else None
             for pack in pack_by_bytes(sizes, bytes_per_pack, first_pack_bytes=first):
-                members = [indices[k] for k in pack]
-                self._buckets.append(_Bucket(len(self._buckets), members, self._variables))
+                self._buckets.append(_Bucket([indices[k] for k in pack], self._variables))
+        # Launch order: the order gradients are expected in (reverse registration),
+        # across dtypes, so that no bucket waits behind one that is ready later.
+        self._buckets.sort(key=lambda b: -max(b.members))
+        for index, bucket in enumerate(self._buckets):
+            bucket.name = f"gradients (bucket {index})"
         self._next_launch = 0
-        self._passes = 0  # backward passes that reached a hook since the last step
         self._in_pass = False
         self._hooks = [
-            var.register_post_accumulate_grad_hook(self._hook_for(bucket, k, var))  # type: ignore[no-untyped-call]  # untyped in torch
+            var.register_post_accumulate_grad_hook(self._hook_for(bucket, k))  # type: ignore[no-untyped-call]  # untyped in torch
             for bucket in self._buckets
             for k, var in enumerate(self._variables[j] for j in bucket.members)
+            if var.requires_grad
         ]
+        # Unregister the hooks when the reducer goes (its optimizer went) or on `remove`.
+        self._finalizer = weakref.finalize(self, _remove_hooks, self._hooks)
 
     @property
     def signature(self) -> list[tuple[str, int]]:
@@ -192,35 +215,39 @@ class BucketReducer:
 
     def remove(self) -> None:
         """Unregisters the gradient hooks."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        self._finalizer()
 
-    def _hook_for(
-        self, bucket: _Bucket, k: int, var: torch.Tensor
-    ) -> Callable[[torch.Tensor], None]:
+    def _hook_for(self, bucket: _Bucket, k: int) -> Callable[[torch.Tensor], None]:
+        ref = weakref.ref(self)  # the variables hold the hooks; they must not hold us
+
         def hook(_: torch.Tensor) -> None:
-            if self._skip():
-                return
-            with self._lock:
-                if not self._in_pass:
-                    self._in_pass = True
-                    self._passes += 1
-                    Variable._execution_engine.queue_callback(self._end_pass)
-                if bucket.handle is not None:  # in flight: the step reduces it again
-                    return
-                was_ready = bucket.seen[k] is not False
-                self._copy(bucket, k)
-                if not was_ready:
-                    bucket.pending -= 1
-                    if bucket.pending == 0:
-                        self._launch_ready()
+            reducer = ref()
+            if reducer is not None:
+                reducer._on_gradient(bucket, k)
 
         return hook
 
+    def _on_gradient(self, bucket: _Bucket, k: int) -> None:
+        if self._skip():
+            return
+        with self._lock:
+            if not self._in_pass:
+                self._in_pass = True
+                Variable._execution_engine.queue_callback(self._end_pass)
+            if bucket.handle is not None:  # in flight: noticed as a change at the step
+                return
+            was_ready = bucket.seen[k] is not False
+            self._copy(bucket, k)
+            if not was_ready:
+                bucket.pending -= 1
+                if bucket.pending == 0:
+                    self._launch_ready(ready_only=True)
+
     def _end_pass(self) -> None:
+        """End of a backward pass: launch every bucket but the last, ready or not."""
         with self._lock:
             self._in_pass = False
+            self._launch_ready(ready_only=False)
 
     def _copy(self, bucket: _Bucket, k: int) -> None:
         """Copies member ``k``'s gradient (zeros without one) into its slot."""
@@ -232,61 +259,51 @@ class BucketReducer:
             view.copy_(grad.detach())
         bucket.seen[k] = _seen(grad)
 
-    def _refresh(self, bucket: _Bucket) -> None:
-        """Copies the members whose gradient changed since it was copied (or never was)."""
-        for k, j in enumerate(bucket.members):
-            if not _unchanged(bucket.seen[k], self._variables[j].grad):
-                self._copy(bucket, k)
-
     def _changed(self, bucket: _Bucket) -> bool:
         variables = self._variables
         return any(
             not _unchanged(seen, variables[j].grad) for seen, j in zip(bucket.seen, bucket.members)
         )
 
-    def _launch_ready(self) -> None:
+    def _launch_ready(self, *, ready_only: bool) -> None:
         buckets = self._buckets
         while self._next_launch < len(buckets) - 1:  # the last one goes at the step
             bucket = buckets[self._next_launch]
-            if bucket.pending > 0:
+            if ready_only and bucket.pending > 0:
                 return
             self._launch(bucket)
             self._next_launch += 1
 
-    def _launch(self, bucket: _Bucket, slots: tuple[bool, bool] = (False, False)) -> None:
+    def _launch(self, bucket: _Bucket, redo: bool = False) -> None:
+        """Brings the slots up to date and launches the bucket's all-reduce."""
+        variables = self._variables
         flags = []
-        for view, j in zip(bucket.views, bucket.members):
-            var = self._variables[j]
+        for k, (view, j) in enumerate(zip(bucket.views, bucket.members)):
+            var = variables[j]
+            if not _unchanged(bucket.seen[k], var.grad):
+                self._copy(bucket, k)
             grad = var.grad
             flags.append(grad is not None)
             if grad is not None and grad.data_ptr() == view.data_ptr():
                 var.grad = view.clone()  # the buffer is about to be reduced in place
-        flags.extend(slots)
+                bucket.seen[k] = _seen(var.grad)
+        flags.append(redo)
         bucket.flags.copy_(torch.tensor(flags, dtype=bucket.flags.dtype))
         bucket.handle = self._collectives.all_reduce_async(
             [bucket.buffer], ReduceOp.SUM, name=bucket.name
         )
 
     def finish(self) -> None:
-        """Launches what is left, waits for every bucket and hands the sums to `.grad`.
-
-        Raises:
-            CollectiveMismatchError: workers made different numbers of backward
-                passes since the last step (on every worker).
-        """
+        """Launches what is left, waits for every bucket and hands the sums to `.grad`."""
         with self._lock:
             buckets = self._buckets
             launched, self._next_launch = self._next_launch, 0
+            self._in_pass = False
             changed = any(self._changed(b) for b in buckets[:launched])
-            passes, self._passes, self._in_pass = self._passes, 0, False
             for bucket in buckets[launched:]:
-                self._refresh(bucket)
-                self._launch(bucket, (passes != 1, changed))
+                self._launch(bucket, redo=changed)  # the last one carries the redo slot
             totals = [self._wait(bucket) for bucket in buckets]
-            odd_passes, any_changed = (x != 0 for x in totals[-1][-2:].tolist())
-            if odd_passes:
-                self._check_passes(passes)
-            if any_changed or (odd_passes and passes > 1):
+            if totals[-1][-1].item() != 0:  # some worker's gradients changed after launch
                 for bucket in buckets:  # reduce the final gradients again, everywhere
                     for k in range(len(bucket.members)):  # the buffer holds sums now
                         self._copy(bucket, k)
@@ -295,18 +312,6 @@ class BucketReducer:
             for bucket, total in zip(buckets, totals):
                 self._write(bucket, total)
                 bucket.reset()
-
-    def _check_passes(self, passes: int) -> None:
-        try:
-            self._collectives.check_same(
-                passes, name="backward passes since the last optimizer step"
-            )
-        except CollectiveMismatchError as exc:
-            raise CollectiveMismatchError(
-                f"{exc} Gradients are summed across workers at the optimizer step, so "
-                "every worker must run the same number of backward passes (outside "
-                "no_sync) between two optimizer steps."
-            ) from exc
 
     def _wait(self, bucket: _Bucket) -> torch.Tensor:
         assert bucket.handle is not None

@@ -209,6 +209,12 @@ class GradientSynchronizer:
         reducer.check_layout()
         self._reducers[optimizer] = (tuple(id(v) for v in variables), reducer)
 
+    def remove_reducers(self) -> None:
+        """Unregisters every overlapped reducer's hooks (the strategy shuts down)."""
+        for _, reducer in list(self._reducers.values()):
+            reducer.remove()
+        self._reducers.clear()
+
     def after_step(self, optimizer: Optimizer, local: int) -> None:
         ext = self._ext
         if not ext._central or not self.variables_of(optimizer):

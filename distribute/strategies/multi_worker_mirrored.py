@@ -148,6 +148,9 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     def shutdown(self) -> None:
         """Destroys the process group; the strategy cannot run collectives afterwards."""
+        extended = self._extended
+        assert isinstance(extended, ReplicatedExtended)
+        extended._grad_sync.remove_reducers()  # a later backward must not reach them
         if self._collectives is not None:
             self._collectives.shutdown()
 

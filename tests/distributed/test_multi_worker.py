@@ -294,24 +294,52 @@ def _unused_and_accumulated(local_replicas: int, set_to_none: bool) -> dict[str,
 
 def _different_backward_counts() -> dict[str, Any]:
     rank = int(os.environ["RANK"])
-    strategy = _strategy(1, timeout_seconds=30)
+    torch.manual_seed(0)
+    strategy = _strategy(1, bytes_per_pack=4)  # bias, then weight: two buckets
     with strategy.scope():
         model = torch.nn.Linear(3, 2)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def step(passes: int) -> None:
         for _ in range(passes):
-            model(torch.ones(2, 3)).sum().backward()
+            model(torch.full((2, 3), float(1 + rank))).square().sum().backward()
         optimizer.step()
         optimizer.zero_grad()
 
-    strategy.run(step, args=(1,))  # the first step aggregates synchronously
-    strategy.run(step, args=(1,))  # from here on, overlapped buckets
-    try:
-        strategy.run(step, args=(1 + rank,))
-    except ds.errors.CollectiveMismatchError as exc:
-        return {"error": str(exc)}
-    return {"error": None}
+    for passes in (1, 1, 1 + rank, 1):  # the first step aggregates synchronously
+        strategy.run(step, args=(passes,))
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    strategy.shutdown()
+    return {"params": params}
+
+
+def _branch_logging_frozen_then_shutdown() -> dict[str, Any]:
+    """Data-dependent branches, a frozen parameter, a collective between backward and
+    the step, and a backward pass after `shutdown`."""
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    strategy = _strategy(1, bytes_per_pack=16, timeout_seconds=30)
+    with strategy.scope():
+        model = _Branches()
+        model.shared.bias.requires_grad_(False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses: list[float] = []
+
+    def step(i: int) -> None:
+        ctx = ds.get_replica_context()
+        assert ctx is not None
+        loss = model(_branch_input(rank, i, 0), rank == 1).square().sum()
+        loss.backward()
+        losses.append(ctx.all_reduce("sum", loss.detach()).item())  # logging
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for i in range(4):
+        strategy.run(step, args=(i,))
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    strategy.shutdown()
+    model(_branch_input(rank, 0, 0), True).sum().backward()  # no collective, no error
+    return {"params": params, "losses": losses}
 
 
 def _grad_edits(model: torch.nn.Module, rank: int) -> None:
@@ -503,14 +531,47 @@ def test_unused_parameters_and_repeated_backward_match_one_process(
             torch.testing.assert_close(out["params"][name], value, rtol=1e-6, atol=1e-6)
 
 
-def test_workers_making_different_numbers_of_backward_passes_get_an_error() -> None:
-    """Rank 1 runs backward twice before the step, rank 0 once: an error on both
-    ranks naming the counts, instead of collectives paired across steps."""
+def test_workers_making_different_numbers_of_backward_passes_sum_what_they_accumulated() -> None:
+    """Rank 1 runs backward twice before one step, rank 0 once: the step sums each
+    worker's accumulated gradient (every worker reduces again, so they stay paired)."""
     results = launch.run(_different_backward_counts, 2, timeout=120)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step_passes in ((1, 1), (1, 1), (1, 2), (1, 1)):
+        for rank, passes in enumerate(step_passes):
+            for _ in range(passes):
+                model(torch.full((2, 3), float(1 + rank))).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
     for out in results:
-        assert out["error"] is not None
-        assert "backward passes" in out["error"], out["error"]
-        assert "rank 0" in out["error"] and "rank 1" in out["error"], out["error"]
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(out["params"][name], value, rtol=1e-6, atol=1e-6)
+
+
+def test_branches_frozen_parameters_and_collectives_between_backward_and_step() -> None:
+    """Only rank 1 uses a branch, so the ranks' buckets become ready at different
+    times; a logging all-reduce between backward and the step must still pair with
+    its counterpart, and a frozen parameter must not break the hooks."""
+    results = launch.run(_branch_logging_frozen_then_shutdown, 2, timeout=120)
+    torch.manual_seed(0)
+    model = _Branches()
+    model.shared.bias.requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for i in range(4):
+        total = 0.0
+        for rank in range(2):
+            loss = model(_branch_input(rank, i, 0), rank == 1).square().sum()
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        optimizer.step()
+        optimizer.zero_grad()
+    for out in results:
+        assert out["losses"] == pytest.approx(losses, rel=1e-6)
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(out["params"][name], value, rtol=1e-6, atol=1e-6)
 
 
 def test_gradients_edited_between_backward_and_step_are_what_is_summed() -> None:
