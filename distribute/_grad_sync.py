@@ -277,20 +277,19 @@ class GradientSynchronizer:
             sizes = [variables[j].numel() * dtype.itemsize for j in indices]
             for pack in pack_by_bytes(sizes, ext._bytes_per_pack, reverse=False):
                 members = [indices[k] for k in pack]
-                flags = [torch.tensor([used[j] for j in members], dtype=dtype, device=devices[0])]
-                flats = [
-                    torch.cat(
-                        [
-                            _flat_grad(per_replica[r][j], variables[j], dtype, devices[r])
-                            for j in members
-                        ]
-                        + (flags if multi_worker and r == 0 else [])
-                    )
-                    for r in range(len(per_replica))
+                parts = [
+                    _flat_grad(per_replica[0][j], variables[j], dtype, devices[0]) for j in members
                 ]
-                total = flats[0]  # a fresh buffer (torch.cat copies): summed in place
-                for f in flats[1:]:
-                    total[: f.numel()] += f.to(total.device)
+                if multi_worker:
+                    flags = [used[j] for j in members]
+                    parts.append(torch.tensor(flags, dtype=dtype, device=devices[0]))
+                # Replica 0's gradients in a fresh buffer (torch.cat copies); the other
+                # replicas' are added into its slots variable by variable, with no
+                # concatenated copy of theirs.
+                total = torch.cat(parts)
+                slots = _slots(total, [variables[j] for j in members])
+                for r in range(1, len(per_replica)):
+                    _add_into(slots, [per_replica[r][j] for j in members])
                 packs.append((members, total))
         if not multi_worker:
             return [(m, t, set()) for m, t in packs]
@@ -305,6 +304,26 @@ class GradientSynchronizer:
                 unused = {j for j, c in zip(members, counts) if c == 0}
             result.append((members, total[:numel], unused))
         return result
+
+
+def _slots(flat: torch.Tensor, variables: Sequence[DistributedVariable]) -> list[torch.Tensor]:
+    """Views of ``flat``, one per variable, shaped like it, in order."""
+    views = []
+    offset = 0
+    for var in variables:
+        numel = var.numel()
+        views.append(flat[offset : offset + numel].view(var.shape))
+        offset += numel
+    return views
+
+
+def _add_into(slots: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+    """``slot += grad`` for every gradient present (moved to the slot's device)."""
+    pairs = [(s, g) for s, g in zip(slots, grads) if g is not None]
+    if not pairs:
+        return
+    device = slots[0].device
+    torch._foreach_add_([s for s, _ in pairs], [g.detach().to(device) for _, g in pairs])
 
 
 def _flat_grad(
