@@ -58,7 +58,7 @@ import torch
 from torch.autograd import Variable
 
 from distribute._enums import ReduceOp
-from distribute.collectives.packing import pack_by_bytes
+from distribute.collectives.packing import pack_by_bytes, slot_views
 
 __all__ = ["BucketReducer", "FIRST_BUCKET_BYTES"]
 
@@ -104,7 +104,7 @@ class _Bucket:
         self.name = ""  # set once the launch order is known
         # The gradients, one used-flag per member, then the redo slot.
         self.buffer = torch.empty(numel + len(members) + 1, dtype=first.dtype, device=first.device)
-        self.views = _slots(self.buffer, [variables[j] for j in members])
+        self.views = slot_views(self.buffer, [variables[j] for j in members])
         self.flags = self.buffer[numel:]
         # Members whose hook marks them ready; the others are copied at launch.
         self.hooked = sum(1 for j in members if variables[j].requires_grad)
@@ -116,17 +116,6 @@ class _Bucket:
         self.seen = [False] * len(self.members)
         self.pending = self.hooked
         self.handle = None
-
-
-def _slots(flat: torch.Tensor, variables: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of ``flat``, one per variable, shaped like it, in order."""
-    views = []
-    offset = 0
-    for var in variables:
-        numel = var.numel()
-        views.append(flat[offset : offset + numel].view(var.shape))
-        offset += numel
-    return views
 
 
 def _remove_hooks(handles: list[Any]) -> None:

@@ -31,7 +31,7 @@ from torch.optim.optimizer import (
 from distribute import context
 from distribute._bucket_reducer import BucketReducer
 from distribute._enums import ReduceOp
-from distribute.collectives.packing import pack_by_bytes
+from distribute.collectives.packing import pack_by_bytes, slot_views
 from distribute.variables import DistributedVariable, _local_replica
 
 if TYPE_CHECKING:
@@ -235,12 +235,8 @@ class GradientSynchronizer:
         device = ext._devices[local]
         for indices, total, unused in result:
             flat = total if total.device == device else total.to(device)
-            offset = 0
-            for j in indices:
+            for j, view in zip(indices, slot_views(flat, [variables[j] for j in indices])):
                 var = variables[j]
-                numel = var.numel()
-                view = flat[offset : offset + numel].view(var.shape)
-                offset += numel
                 grad = _get_grad(var, local)
                 if grad is None or grad.shape != var.shape:
                     if j not in unused:
@@ -287,7 +283,7 @@ class GradientSynchronizer:
                 # replicas' are added into its slots variable by variable, with no
                 # concatenated copy of theirs.
                 total = torch.cat(parts)
-                slots = _slots(total, [variables[j] for j in members])
+                slots = slot_views(total, [variables[j] for j in members])
                 for r in range(1, len(per_replica)):
                     _add_into(slots, [per_replica[r][j] for j in members])
                 packs.append((members, total))
@@ -304,17 +300,6 @@ class GradientSynchronizer:
                 unused = {j for j, c in zip(members, counts) if c == 0}
             result.append((members, total[:numel], unused))
         return result
-
-
-def _slots(flat: torch.Tensor, variables: Sequence[DistributedVariable]) -> list[torch.Tensor]:
-    """Views of ``flat``, one per variable, shaped like it, in order."""
-    views = []
-    offset = 0
-    for var in variables:
-        numel = var.numel()
-        views.append(flat[offset : offset + numel].view(var.shape))
-        offset += numel
-    return views
 
 
 def _add_into(slots: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:

@@ -48,6 +48,7 @@ __all__ = [
     "PackedTensors",
     "pack_by_bytes",
     "pack_tensors",
+    "slot_views",
     "split_num_packs",
     "sum_packs",
     "unpack_tensors",
@@ -193,6 +194,24 @@ def _unflatten(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.T
         return list(flat.view(len(shapes), *shapes[0]).unbind(0))
     pieces = flat.split_with_sizes([s.numel() for s in shapes])
     return [p if len(s) == 1 else p.view(s) for p, s in zip(pieces, shapes)]
+
+
+def slot_views(flat: torch.Tensor, templates: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of consecutive pieces of `flat`, one per template, shaped like it.
+
+    `flat` may be longer than the templates together (trailing elements, such as
+    flags riding in a buffer, are left out).
+
+    Example:
+        >>> import torch
+        >>> a, b = slot_views(torch.arange(7.0), [torch.zeros(2, 2), torch.zeros(2)])
+        >>> a.tolist(), b.tolist()
+        ([[0.0, 1.0], [2.0, 3.0]], [4.0, 5.0])
+    """
+    numel = sum(t.numel() for t in templates)
+    if flat.numel() != numel:
+        flat = flat[:numel]
+    return _unflatten(flat, [t.shape for t in templates])
 
 
 def pack_tensors(tensors: Sequence[torch.Tensor]) -> PackedTensors:

@@ -78,7 +78,7 @@ from distribute.collectives._liveness import (
     mismatch_error,
 )
 from distribute.collectives._rendezvous import rendezvous
-from distribute.collectives.packing import pack_by_bytes
+from distribute.collectives.packing import pack_by_bytes, slot_views
 from distribute.errors import CollectiveTimeoutError, InvalidArgumentError
 
 __all__ = ["AllReduceHandle", "ProcessGroupCollectives"]
@@ -132,15 +132,6 @@ def _flatten(tensors: Sequence[torch.Tensor], copy: bool) -> torch.Tensor:
     return parts[0].clone() if copy else parts[0]
 
 
-def _unflatten(flat: torch.Tensor, templates: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    out = []
-    offset = 0
-    for t in templates:
-        out.append(flat[offset : offset + t.numel()].view(t.shape))
-        offset += t.numel()
-    return out
-
-
 class AllReduceHandle:
     """An all-reduce in flight; `wait()` returns the reduced tensors."""
 
@@ -173,7 +164,7 @@ class AllReduceHandle:
             self._owner._finished(self._position)
         device = self._templates[0].device
         flat = self._owner._finish_reduce(self._flat, self._op).to(device)
-        return _unflatten(flat, self._templates)
+        return slot_views(flat, self._templates)
 
 
 def _close(
@@ -578,11 +569,11 @@ class ProcessGroupCollectives:
                     flat.div_(self._world_size)
                 if flat.data_ptr() != templates[0].data_ptr() or len(members) > 1:
                     with torch.no_grad():
-                        for t, piece in zip(templates, _unflatten(flat, templates)):
+                        for t, piece in zip(templates, slot_views(flat, templates)):
                             t.copy_(piece)
                 continue
             reduced = self._finish_reduce(flat, op).to(templates[0].device)
-            for j, piece in zip(members, _unflatten(reduced, templates)):
+            for j, piece in zip(members, slot_views(reduced, templates)):
                 results[j] = piece
         self._finished(position)
         if in_place:
@@ -705,7 +696,7 @@ class ProcessGroupCollectives:
         for indices, flat, work in in_flight:
             self._wait(work, position, start)
             with torch.no_grad():
-                for j, piece in zip(indices, _unflatten(flat, [tensors[j] for j in indices])):
+                for j, piece in zip(indices, slot_views(flat, [tensors[j] for j in indices])):
                     tensors[j].copy_(piece)
         self._finished(position)
 
