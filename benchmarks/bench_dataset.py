@@ -52,8 +52,6 @@ describes the machine.
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import os
 import platform
 import statistics
@@ -63,6 +61,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from _timing import emit, interleaved, quartiles
 from torch.utils.data import DataLoader, Dataset
 
 import distribute as ds
@@ -114,37 +113,6 @@ def endless(iterable: Iterable[Any]) -> Iterator[Any]:
     """The batches of `iterable`, epoch after epoch."""
     while True:
         yield from iterable
-
-
-def interleaved(
-    cases: dict[str, Callable[[], Any]], reps: int, steps: int
-) -> dict[str, list[float]]:
-    """Seconds per step of each case, one sample per repetition of `steps` steps."""
-    names = list(cases)
-    for fn in cases.values():  # warm-up
-        for _ in range(steps):
-            fn()
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    gc.collect()
-    for rep in range(reps):
-        for name in names if rep % 2 == 0 else names[::-1]:
-            fn = cases[name]
-            start = time.perf_counter()
-            for _ in range(steps):
-                fn()
-            samples[name].append((time.perf_counter() - start) / steps)
-    return samples
-
-
-def quartiles(xs: list[float]) -> list[float]:
-    if len(xs) < 2:
-        return [xs[0], xs[0]]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return [q[0], q[2]]
-
-
-def emit(record: dict[str, Any]) -> None:
-    print(json.dumps(record), flush=True)
 
 
 def compare(
@@ -209,7 +177,13 @@ def run_case(
     cases: dict[str, Callable[[], Any]],
     goal: str | None,
 ) -> None:
-    samples = interleaved(cases, budget.reps, budget.steps_per_rep)
+    samples = interleaved(
+        cases,
+        budget.reps,
+        budget.steps_per_rep,
+        warmup_calls=budget.steps_per_rep,
+        collect_each=False,
+    )
     compare(bench, cfg, baseline, samples, goal, budget.steps_per_rep)
 
 
@@ -307,6 +281,8 @@ def bench_step_overhead(budget: Budget, threads: int) -> None:
             {"list": stepper(batches), "distribute": stepper(dist)},
             budget.reps,
             budget.steps_per_rep,
+            warmup_calls=budget.steps_per_rep,
+            collect_each=False,
         )
         overhead = [d - b for b, d in zip(samples["list"], samples["distribute"])]
         emit(

@@ -48,8 +48,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
-import json
 import os
 import platform
 import statistics
@@ -63,6 +61,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from _timing import emit, interleaved, quartiles
 
 import distribute as ds
 
@@ -142,39 +142,6 @@ TINY = Workload(layers=(32, 64, 10), global_batch=32)
 
 
 # -- timing ---------------------------------------------------------------------------
-
-
-def interleaved(
-    cases: dict[str, Callable[[], Any]], reps: int, calls_per_rep: int
-) -> dict[str, list[float]]:
-    """Seconds per call of each case, one sample per repetition.
-
-    The cases run in turn inside every repetition, in an order that alternates
-    (forward, then reversed), so slow drifts of the machine hit all of them alike.
-    """
-    names = list(cases)
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    for rep in range(reps):
-        order = names if rep % 2 == 0 else names[::-1]
-        for name in order:
-            fn = cases[name]
-            gc.collect()
-            start = time.perf_counter()
-            for _ in range(calls_per_rep):
-                fn()
-            samples[name].append((time.perf_counter() - start) / calls_per_rep)
-    return samples
-
-
-def quartiles(xs: list[float]) -> list[float]:
-    if len(xs) < 2:
-        return [xs[0], xs[0]]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return [q[0], q[2]]
-
-
-def emit(record: dict[str, Any]) -> None:
-    print(json.dumps(record), flush=True)
 
 
 def ms(seconds: float) -> float:

@@ -31,18 +31,18 @@ Benchmarks:
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _timing import interleaved, quartiles
 
 import distribute as ds
 from distribute import launch
@@ -60,23 +60,10 @@ def _model(width: int, depth: int) -> torch.nn.Module:
 def _interleaved(cases: dict[str, Any], reps: int, calls: int) -> dict[str, list[float]]:
     """Milliseconds per call of each case, one sample per repetition, after one warm-up call.
 
-    The cases run in turn in every repetition, in an order that alternates
-    (forward, then reversed). Every worker runs the same sequence, as collectives
-    require.
+    Every worker runs the same sequence, as collectives require.
     """
-    names = list(cases)
-    for name in names:  # warm-up: first-call costs (buffers, page faults) stay out
-        cases[name]()
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    for rep in range(reps):
-        for name in names if rep % 2 == 0 else names[::-1]:
-            fn = cases[name]
-            gc.collect()
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            samples[name].append((time.perf_counter() - start) / calls * 1000)
-    return samples
+    seconds = interleaved(cases, reps, calls, warmup_calls=1)
+    return {name: [t * 1000 for t in ts] for name, ts in seconds.items()}
 
 
 def _worker(quick: bool) -> list[dict[str, Any]]:
@@ -236,7 +223,7 @@ def _line(
 ) -> dict[str, Any]:
     b, o = statistics.median(base), statistics.median(ours)
     paired = [d / r for r, d in zip(base, ours)]
-    q = statistics.quantiles(paired, n=4, method="inclusive") if len(paired) > 1 else paired * 3
+    q = quartiles(paired)
     return {
         "bench": bench,
         "config": config,
@@ -244,7 +231,7 @@ def _line(
         "distribute_ms": round(o, 3),
         "ratio": round(o / b, 3),
         "paired_ratio": round(statistics.median(paired), 3),
-        "paired_ratio_iqr": [round(q[0], 3), round(q[2], 3)],
+        "paired_ratio_iqr": [round(q[0], 3), round(q[1], 3)],
         "reps": len(paired),
         "goal": goal,
         "loadavg_1m_before": round(load, 2),
