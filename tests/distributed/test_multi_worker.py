@@ -91,6 +91,18 @@ def _basics(local_replicas: int) -> dict[str, Any]:
     return out
 
 
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of the model's parameters and buffers."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _linear_and_sgd() -> tuple[torch.nn.Linear, torch.optim.SGD]:
+    """Linear(3, 2) with seed 0 and plain SGD: the same start in workers and reference."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
 def _make_data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     x = torch.randn(58, 12, generator=g)
@@ -149,7 +161,7 @@ def _train(
                 continue
             strategy.run(forward_backward, args=(xb, yb))
             strategy.run(apply)
-    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    params = _state(model)
     copies_equal = all(
         all(torch.equal(c, p.values[0]) for c in p.values) for p in model.parameters()
     )
@@ -169,7 +181,7 @@ def _reference(optimizer_name: str, epochs: int) -> dict[str, torch.Tensor]:
             (per_example.sum() / GLOBAL_BATCH).backward()
             optimizer.step()
             optimizer.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return _state(model)
 
 
 def _dead_peer(timeout: float) -> dict[str, Any]:
@@ -287,18 +299,16 @@ def _unused_and_accumulated(local_replicas: int, set_to_none: bool) -> dict[str,
     # set_to_none=False the gradients stay views of the buckets between steps, so
     # backward accumulates into the buckets themselves.
     strategy.run(replica_steps)
-    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    params = _state(model)
     strategy.shutdown()
     return {"params": params}
 
 
 def _different_backward_counts() -> dict[str, Any]:
     rank = int(os.environ["RANK"])
-    torch.manual_seed(0)
     strategy = _strategy(1, bytes_per_pack=4)  # bias, then weight: two buckets
     with strategy.scope():
-        model = torch.nn.Linear(3, 2)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = _linear_and_sgd()
 
     def step(passes: int) -> None:
         for _ in range(passes):
@@ -308,7 +318,7 @@ def _different_backward_counts() -> dict[str, Any]:
 
     for passes in (1, 1, 1 + rank, 1):  # the first step aggregates synchronously
         strategy.run(step, args=(passes,))
-    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    params = _state(model)
     strategy.shutdown()
     return {"params": params}
 
@@ -336,7 +346,7 @@ def _branch_logging_frozen_then_shutdown() -> dict[str, Any]:
 
     for i in range(4):
         strategy.run(step, args=(i,))
-    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    params = _state(model)
     strategy.shutdown()
     model(_branch_input(rank, 0, 0), True).sum().backward()  # no collective, no error
     return {"params": params, "losses": losses}
@@ -354,11 +364,9 @@ def _grad_edits(model: torch.nn.Module, rank: int) -> None:
 
 def _edited_gradients() -> dict[str, Any]:
     rank = int(os.environ["RANK"])
-    torch.manual_seed(0)
     strategy = _strategy(1, bytes_per_pack=4)  # bias, then weight: two buckets
     with strategy.scope():
-        model = torch.nn.Linear(3, 2)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = _linear_and_sgd()
 
     def step(i: int) -> None:
         model(torch.full((2, 3), float(i + rank))).square().sum().backward()
@@ -368,7 +376,7 @@ def _edited_gradients() -> dict[str, Any]:
 
     for i in range(3):  # the first step synchronously, then overlapped
         strategy.run(step, args=(i,))
-    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    params = _state(model)
     strategy.shutdown()
     return {"params": params}
 
@@ -535,9 +543,7 @@ def test_workers_making_different_numbers_of_backward_passes_sum_what_they_accum
     """Rank 1 runs backward twice before one step, rank 0 once: the step sums each
     worker's accumulated gradient (every worker reduces again, so they stay paired)."""
     results = launch.run(_different_backward_counts, 2, timeout=120)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = _linear_and_sgd()
     for step_passes in ((1, 1), (1, 1), (1, 2), (1, 1)):
         for rank, passes in enumerate(step_passes):
             for _ in range(passes):
@@ -578,9 +584,7 @@ def test_gradients_edited_between_backward_and_step_are_what_is_summed() -> None
     """In-place edits (clipping) on one worker, a replaced `.grad` on the other: the
     sum is of the gradients the step finds, even for buckets launched in backward."""
     results = launch.run(_edited_gradients, 2, timeout=120)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = _linear_and_sgd()
     for i in range(3):
         total = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
         for rank in range(2):

@@ -8,6 +8,7 @@ parameters within 1e-5, with every replica's copy bitwise identical.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -56,24 +57,10 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def train(strategy: ds.Strategy | None, opt: str, foreach: bool) -> torch.nn.Module:
-    if strategy is None:
-        model = make_model()
-        optimizer = OPTIMIZERS[opt](model.parameters(), foreach)
-    else:
-        with strategy.scope():
-            model = make_model()
-            optimizer = OPTIMIZERS[opt](model.parameters(), foreach)
+def run_steps(strategy: ds.Strategy | None, step: Callable[..., Any]) -> None:
+    """Runs `step(x, y)` on each global batch: directly without a strategy, else in
+    `strategy.run` with the batch split evenly over the replicas."""
     x_all, y_all = data()
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        per_example = torch.nn.functional.mse_loss(model(x), y, reduction="none").mean(dim=1)
-        loss = ds.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
-
     for s in range(STEPS):
         x = x_all[s * GLOBAL_BATCH : (s + 1) * GLOBAL_BATCH]
         y = y_all[s * GLOBAL_BATCH : (s + 1) * GLOBAL_BATCH]
@@ -84,6 +71,26 @@ def train(strategy: ds.Strategy | None, opt: str, foreach: bool) -> torch.nn.Mod
         xs = x if n == 1 else ds.PerReplica(x.chunk(n))
         ys = y if n == 1 else ds.PerReplica(y.chunk(n))
         strategy.run(step, args=(xs, ys))
+
+
+def train(strategy: ds.Strategy | None, opt: str, foreach: bool) -> torch.nn.Module:
+    if strategy is None:
+        model = make_model()
+        optimizer = OPTIMIZERS[opt](model.parameters(), foreach)
+    else:
+        with strategy.scope():
+            model = make_model()
+            optimizer = OPTIMIZERS[opt](model.parameters(), foreach)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        per_example = torch.nn.functional.mse_loss(model(x), y, reduction="none").mean(dim=1)
+        loss = ds.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    run_steps(strategy, step)
     return model
 
 
@@ -121,7 +128,6 @@ def train_clipped(strategy: ds.Strategy | None, max_norm: float) -> torch.nn.Mod
             model = make_model()
             optimizer = OPTIMIZERS["sgd_momentum"](model.parameters(), False)
         strategy.extended.experimental_aggregate_gradients = False
-    x_all, y_all = data()
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         per_example = torch.nn.functional.mse_loss(model(x), y, reduction="none").mean(dim=1)
@@ -138,14 +144,7 @@ def train_clipped(strategy: ds.Strategy | None, max_norm: float) -> torch.nn.Mod
         optimizer.step()
         optimizer.zero_grad()
 
-    for s in range(STEPS):
-        x = x_all[s * GLOBAL_BATCH : (s + 1) * GLOBAL_BATCH]
-        y = y_all[s * GLOBAL_BATCH : (s + 1) * GLOBAL_BATCH]
-        if strategy is None:
-            step(x, y)
-            continue
-        n = strategy.num_replicas_in_sync
-        strategy.run(step, args=(ds.PerReplica(x.chunk(n)), ds.PerReplica(y.chunk(n))))
+    run_steps(strategy, step)
     return model
 
 
