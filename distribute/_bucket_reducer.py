@@ -194,10 +194,6 @@ class BucketReducer:
         """(dtype, elements) of each bucket, which every worker must share."""
         return [(str(b.buffer.dtype), b.buffer.numel()) for b in self._buckets]
 
-    @property
-    def num_buckets(self) -> int:
-        return len(self._buckets)
-
     def check_layout(self) -> None:
         """Raises on every worker when the workers' bucket layouts differ."""
         self._collectives.check_same(self.signature, name="gradient bucket layout")
