@@ -177,6 +177,7 @@ class OptionalValue:
 # per-step path runs between two DataLoader batches, with cold caches.
 
 _MISSING = object()  # a replica with no data this step
+_Tensor = torch.Tensor  # a module global: checked per leaf per step, one lookup fewer
 
 _split_sizes = functools.lru_cache(maxsize=64)(sharding.split_sizes)  # read-only lists
 
@@ -288,6 +289,53 @@ def _pack(structure: Any, leaves: Sequence[Any]) -> Any:
     if _is_flat(structure):
         return type(structure)(leaves)
     return pack_sequence_as(structure, leaves)
+
+
+def _pieces(x: torch.Tensor, sizes: list[int]) -> Sequence[torch.Tensor]:
+    """`x` split along its batch dimension into pieces of `sizes` rows.
+
+    NOTE [untracked pieces]: the pieces share `x`'s memory either way. For data
+    (no gradient) they are made with ``unsafe_split_with_sizes``, which skips
+    autograd's view bookkeeping (the pieces have no ``_base`` and their own version
+    counters): nothing holds the batch for a backward pass, and making 8 views
+    costs ~20 us a step between DataLoader batches, a third of it that bookkeeping.
+    A batch that requires grad is split as views, so autograd sees through them.
+    """
+    if x.requires_grad:
+        return x.split_with_sizes(sizes)
+    return x.unsafe_split_with_sizes(sizes)
+
+
+def _leaves_and_nest(batch: Any) -> tuple[list[Any], Any]:
+    """The batch's leaves (NumPy arrays made tensors), and the batch itself when they
+    are its own leaves (None when arrays were converted)."""
+    if type(batch) is torch.Tensor:
+        return [batch], batch
+    if _is_flat(batch):
+        return list(batch), batch
+    leaves = flatten(batch)
+    if any(isinstance(x, np.ndarray) for x in leaves):
+        return _from_numpy(leaves), None
+    return leaves, batch
+
+
+def _flat_cpu_batch_size(batch: Any) -> int:
+    """The batch size of a CPU tensor with a batch dimension, or of a non-empty plain
+    tuple or list of such tensors that share it; -1 for any other batch."""
+    kind = type(batch)
+    if kind is _Tensor:
+        return batch.shape[0] if batch.is_cpu and batch.dim() > 0 else -1
+    if kind is not tuple and kind is not list:
+        return -1
+    size = -1
+    for x in batch:
+        if type(x) is not _Tensor or not x.is_cpu:
+            return -1
+        shape = x.shape
+        if not shape or (size >= 0 and shape[0] != size):
+            return -1
+        size = shape[0]
+    return size
 
 
 def _all_on_cpu(leaves: Iterable[Any]) -> bool:
@@ -705,6 +753,7 @@ class DistributedIterator:
         template: Callable[[], Any],
         spec_batch_dim: int | None,
         prefetch: bool,
+        direct: Callable[[], Iterator[Any]] | None = None,
     ) -> None:
         self._read = read
         self._workers = workers
@@ -718,12 +767,20 @@ class DistributedIterator:
         self._cpu_only = all(d.type == "cpu" for d in workers.devices)
         self._done = False
         self._element_spec: Any = None
+        # One worker whose batches need no copy: nothing to agree on and nothing to
+        # read ahead, so the steps come straight from `direct` (see NOTE [direct steps]).
+        self._steps: Iterator[Any] | None = None
+        if direct is not None and workers.num_workers == 1:
+            if self._cpu_only or not options.experimental_fetch_to_device:
+                self._steps = direct()
 
     def __iter__(self) -> DistributedIterator:
         return self
 
     def __next__(self) -> Any:
         _check_not_in_replica_context("next(iterator)")
+        if self._steps is not None:
+            return next(self._steps)
         if not self._buffer:
             step = self._prepare()
             if step is None:
@@ -848,16 +905,7 @@ class DistributedDataset:
             except StopIteration:
                 exhausted = True
                 return None
-            nest = batch
-            if type(batch) is torch.Tensor:
-                leaves = [batch]
-            elif _is_flat(batch):
-                leaves = list(batch)
-            else:
-                leaves = flatten(batch)
-                if any(isinstance(x, np.ndarray) for x in leaves):
-                    leaves = _from_numpy(leaves)
-                    nest = None
+            leaves, nest = _leaves_and_nest(batch)
             if slice_global:
                 start, stop = sharding.worker_slice(
                     _leaves_len(leaves, batch),
@@ -886,16 +934,44 @@ class DistributedDataset:
                 return _Step(batch, [(x,) for x in leaves], 1, nest=nest)
             sizes = _split_sizes(_leaves_len(leaves, batch), local)
             columns = [
-                x.split_with_sizes(sizes)
-                if isinstance(x, torch.Tensor) and x.dim() > 0
-                else (x,) * local
+                _pieces(x, sizes) if isinstance(x, torch.Tensor) and x.dim() > 0 else (x,) * local
                 for x in leaves
             ]
             # The pieces are views of the leaves: one device check for all of them.
             return _Step(batch, columns, local, on_cpu=_all_on_cpu(leaves))
 
+        fetch = self._options.experimental_fetch_to_device
+        devices = workers.devices
+        cpu_only = all(d.type == "cpu" for d in devices)
+
+        def direct() -> Iterator[Any]:
+            # NOTE [direct steps]: with one worker there is nothing to agree on, and
+            # with nothing to copy nothing to read ahead, so each step is made from a
+            # batch as it comes. The common batch (a tensor, or a flat tuple or list of
+            # CPU tensors) is split without the column bookkeeping of `_Step`; the
+            # per-step cost is then the split itself (see benchmarks/bench_dataset.py).
+            for batch in batches:
+                size = _flat_cpu_batch_size(batch)
+                if size < 0:
+                    leaves, nest = _leaves_and_nest(batch)
+                    step = split(batch, leaves, nest)
+                    yield (step.to(devices, cpu_only) if fetch else step).value()
+                elif local == 1:
+                    yield batch
+                elif type(batch) is _Tensor:
+                    yield PerReplica(_pieces(batch, _split_sizes(size, local)))
+                else:
+                    sizes = _split_sizes(size, local)
+                    yield type(batch)([PerReplica(_pieces(x, sizes)) for x in batch])
+
         return DistributedIterator(
-            read, workers, self._options, self._peek, self._batch_dim(), prefetch=True
+            read,
+            workers,
+            self._options,
+            self._peek,
+            self._batch_dim(),
+            prefetch=True,
+            direct=direct,
         )
 
     def _batch_dim(self) -> int | None:

@@ -65,7 +65,9 @@ class InputOptions:
         produces device tensors (needs ``PER_REPLICA`` and
         ``experimental_fetch_to_device=False``).
       experimental_per_replica_buffer_size: how many batches per replica are
-        fetched ahead (0 disables prefetching).
+        copied to the devices ahead of use (0 disables prefetching). Nothing is
+        read ahead when there is nothing to copy (CPU replicas, or
+        ``experimental_fetch_to_device=False``) with one worker.
       auto_shard_policy: see :class:`AutoShardPolicy`.
 
     Raises:

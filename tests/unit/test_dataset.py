@@ -654,12 +654,36 @@ class CountingBatches:
 
 
 @pytest.mark.parametrize("depth", [0, 1, 3])
-def test_per_replica_buffer_size_is_how_many_steps_are_read_ahead(depth):
+def test_per_replica_buffer_size_is_how_many_steps_are_copied_ahead(depth):
+    # The meta device stands in for an accelerator: batches are copied there.
+    source = CountingBatches(10)
+    options = InputOptions(experimental_per_replica_buffer_size=depth)
+    it = iter(DistributedDataset(source, InputWorkers(devices=("meta", "meta")), options))
+    next(it)
+    assert source.read == 1 + depth
+
+
+@pytest.mark.parametrize("depth", [0, 3])
+def test_cpu_replicas_read_no_batch_ahead(depth):
+    # Nothing to copy: reading ahead would only hold batches longer.
     source = CountingBatches(10)
     options = InputOptions(experimental_per_replica_buffer_size=depth)
     it = iter(mirrored(2).experimental_distribute_dataset(source, options))
     next(it)
-    assert source.read == 1 + depth
+    assert source.read == 1
+
+
+def test_pieces_of_a_batch_share_its_memory_and_stay_views_when_it_requires_grad():
+    data = torch.zeros(4, 2)
+    (step,) = DistributedDataset([data], InputWorkers(devices=("cpu", "cpu")))
+    step.values[1].fill_(1.0)
+    assert data.tolist() == [[0.0, 0.0], [0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+
+    leaf = torch.arange(4.0, requires_grad=True)
+    (step,) = DistributedDataset([[leaf * 1]], InputWorkers(devices=("cpu", "cpu")))
+    assert all(piece._is_view() for piece in step[0].values)
+    (step[0].values[0] * 2 + step[0].values[1] * 3).sum().backward()
+    assert leaf.grad is not None and leaf.grad.tolist() == [2.0, 2.0, 3.0, 3.0]
 
 
 def test_buffer_sizes_0_and_3_give_identical_data():
