@@ -1,7 +1,7 @@
 """Iterating a DistributedDataset against iterating the bare DataLoader, in one run.
 
     python benchmarks/bench_dataset.py             # full run, about a minute
-    python benchmarks/bench_dataset.py --quick     # fewer rows and steps, ~15 s
+    python benchmarks/bench_dataset.py --quick     # fewer rows and steps, ~10 s
     python benchmarks/bench_dataset.py --only map_style --threads 1
 
 The data: an in-memory map-style dataset of 200,000 rows of 64 float32 features and

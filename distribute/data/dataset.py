@@ -753,7 +753,7 @@ class DistributedIterator:
         template: Callable[[], Any],
         spec_batch_dim: int | None,
         prefetch: bool,
-        direct: Callable[[], Iterator[Any]] | None = None,
+        direct: Callable[[], Any] | None = None,  # the next step, as handed out
     ) -> None:
         self._read = read
         self._workers = workers
@@ -769,18 +769,18 @@ class DistributedIterator:
         self._element_spec: Any = None
         # One worker whose batches need no copy: nothing to agree on and nothing to
         # read ahead, so the steps come straight from `direct` (see NOTE [direct steps]).
-        self._steps: Iterator[Any] | None = None
+        self._direct: Callable[[], Any] | None = None
         if direct is not None and workers.num_workers == 1:
             if self._cpu_only or not options.experimental_fetch_to_device:
-                self._steps = direct()
+                self._direct = direct
 
     def __iter__(self) -> DistributedIterator:
         return self
 
     def __next__(self) -> Any:
         _check_not_in_replica_context("next(iterator)")
-        if self._steps is not None:
-            return next(self._steps)
+        if self._direct is not None:
+            return self._direct()
         if not self._buffer:
             step = self._prepare()
             if step is None:
@@ -944,25 +944,25 @@ class DistributedDataset:
         devices = workers.devices
         cpu_only = all(d.type == "cpu" for d in devices)
 
-        def direct() -> Iterator[Any]:
+        def direct() -> Any:
             # NOTE [direct steps]: with one worker there is nothing to agree on, and
             # with nothing to copy nothing to read ahead, so each step is made from a
-            # batch as it comes. The common batch (a tensor, or a flat tuple or list of
-            # CPU tensors) is split without the column bookkeeping of `_Step`; the
-            # per-step cost is then the split itself (see benchmarks/bench_dataset.py).
-            for batch in batches:
-                size = _flat_cpu_batch_size(batch)
-                if size < 0:
-                    leaves, nest = _leaves_and_nest(batch)
-                    step = split(batch, leaves, nest)
-                    yield (step.to(devices, cpu_only) if fetch else step).value()
-                elif local == 1:
-                    yield batch
-                elif type(batch) is _Tensor:
-                    yield PerReplica(_pieces(batch, _split_sizes(size, local)))
-                else:
-                    sizes = _split_sizes(size, local)
-                    yield type(batch)([PerReplica(_pieces(x, sizes)) for x in batch])
+            # batch as it comes (StopIteration at the end comes from `batches`). The
+            # common batch (a tensor, or a flat tuple or list of CPU tensors) is split
+            # without the column bookkeeping of `_Step`; the per-step cost is then the
+            # split itself (see benchmarks/bench_dataset.py).
+            batch = next(batches)
+            size = _flat_cpu_batch_size(batch)
+            if size < 0:
+                leaves, nest = _leaves_and_nest(batch)
+                step = split(batch, leaves, nest)
+                return (step.to(devices, cpu_only) if fetch else step).value()
+            if local == 1:
+                return batch
+            if type(batch) is _Tensor:
+                return PerReplica(_pieces(batch, _split_sizes(size, local)))
+            sizes = _split_sizes(size, local)
+            return type(batch)([PerReplica(_pieces(x, sizes)) for x in batch])
 
         return DistributedIterator(
             read,

@@ -285,6 +285,16 @@ def test_batch_without_a_batch_dimension_raises_value_error():
         next(iter(dist))
 
 
+def test_leaves_of_different_batch_sizes_raise_naming_the_sizes_and_iteration_goes_on():
+    batches = [(torch.zeros(4), torch.zeros(3)), (torch.arange(4), torch.arange(4))]
+    it = iter(mirrored(2).experimental_distribute_dataset(batches))
+    with pytest.raises(ValueError, match=r"first \(batch\) dimension.*\[3, 4\]"):
+        next(it)
+    assert [t.tolist() for t in next(it)[1].values] == [[0, 1], [2, 3]]
+    with pytest.raises(StopIteration):
+        next(it)
+
+
 def test_dataset_fn_returning_a_non_iterable_raises_value_error():
     with pytest.raises(ValueError, match=r"iterable.*int"):
         mirrored(2).distribute_datasets_from_function(lambda ctx: 3)
