@@ -1,6 +1,6 @@
 """Iterating a DistributedDataset against iterating the bare DataLoader, in one run.
 
-    python benchmarks/bench_dataset.py             # full run, about a minute
+    python benchmarks/bench_dataset.py             # full run, about 45 s
     python benchmarks/bench_dataset.py --quick     # fewer rows and steps, ~10 s
     python benchmarks/bench_dataset.py --only map_style --threads 1
 
@@ -20,7 +20,7 @@ Benchmarks (`--only` takes these names):
                batched by the default collate: the usual DataLoader. 4 replicas and
                1 replica. Goal: ratio >= 0.97. With 4 replicas a third case, the
                bare loader whose batches are split by hand (one
-               ``unsafe_split_with_sizes`` per leaf, into ``PerReplica``), is the
+               ``split_with_sizes`` per leaf, into ``PerReplica``), is the
                floor any splitting pays: ``split_by_hand_ratio`` is its throughput
                over the baseline's, ``ratio_vs_split_by_hand`` distribute's over it.
     gathered   ``ds.data.make_numpy_dataset``: each batch is one fancy-indexing gather
@@ -213,7 +213,7 @@ def split_by_hand(replicas: int) -> Callable[[Any], Any]:
 
     def split(batch: Any) -> Any:
         sizes = ds.data.sharding.split_sizes(len(batch[0]), replicas)
-        return [ds.PerReplica(x.unsafe_split_with_sizes(sizes)) for x in batch]
+        return [ds.PerReplica(x.split_with_sizes(sizes)) for x in batch]
 
     return split
 

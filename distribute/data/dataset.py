@@ -50,7 +50,13 @@ from distribute.data.options import (
     InputReplicationMode,
 )
 from distribute.errors import InvalidArgumentError
-from distribute.values import PerReplica, assert_same_structure, flatten, pack_sequence_as
+from distribute.values import (
+    PerReplica,
+    assert_same_structure,
+    flatten,
+    pack_sequence_as,
+    select_replica,
+)
 
 __all__ = [
     "DistributedDataset",
@@ -233,10 +239,12 @@ class _Step:
             self.nest = _pack(self.structure, leaves)
         return self.nest
 
-    def empty_leaves(self) -> list[Any]:
-        """One present replica's leaves, emptied: the template for replicas without data."""
+    def template(self) -> tuple[Any, list[Any]]:
+        """An empty batch like a present replica's, as (nest, leaves): what replicas
+        without data get."""
         r = next(r for r in range(self.replicas) if r not in self.missing)
-        return _empty_leaves([column[r] for column in self.columns])
+        empty = _empty_leaves([column[r] for column in self.columns])
+        return _pack(self.structure, empty), empty
 
     def filled(self, structure: Any, empty: Sequence[Any]) -> _Step:
         """This step with an empty batch (from `structure`, `empty`) for every replica
@@ -263,8 +271,18 @@ class _Step:
 
 
 def _empty_leaves(leaves: Sequence[Any]) -> list[Any]:
-    """Fresh batches of no elements: batch dimension 0, other dimensions and dtypes kept."""
-    return [x[0:0] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in leaves]
+    """Fresh batches of no elements: batch dimension 0, other dimensions, dtypes and
+    devices kept (new tensors: they hold no batch's memory)."""
+    return [
+        x.new_empty((0, *x.shape[1:])) if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+        for x in leaves
+    ]
+
+
+def _template_of(batch: Any) -> tuple[Any, list[Any]]:
+    """An empty batch of `batch`'s structure, as (nest, leaves)."""
+    empty = _empty_leaves(_leaves(batch))
+    return _pack(batch, empty), empty
 
 
 def _is_flat(batch: Any) -> bool:
@@ -289,21 +307,6 @@ def _pack(structure: Any, leaves: Sequence[Any]) -> Any:
     if _is_flat(structure):
         return type(structure)(leaves)
     return pack_sequence_as(structure, leaves)
-
-
-def _pieces(x: torch.Tensor, sizes: list[int]) -> Sequence[torch.Tensor]:
-    """`x` split along its batch dimension into pieces of `sizes` rows.
-
-    NOTE [untracked pieces]: the pieces share `x`'s memory either way. For data
-    (no gradient) they are made with ``unsafe_split_with_sizes``, which skips
-    autograd's view bookkeeping (the pieces have no ``_base`` and their own version
-    counters): nothing holds the batch for a backward pass, and making 8 views
-    costs ~20 us a step between DataLoader batches, a third of it that bookkeeping.
-    A batch that requires grad is split as views, so autograd sees through them.
-    """
-    if x.requires_grad:
-        return x.split_with_sizes(sizes)
-    return x.unsafe_split_with_sizes(sizes)
 
 
 def _leaves_and_nest(batch: Any) -> tuple[list[Any], Any]:
@@ -780,7 +783,10 @@ class DistributedIterator:
     def __next__(self) -> Any:
         _check_not_in_replica_context("next(iterator)")
         if self._direct is not None:
-            return self._direct()
+            value = self._direct()
+            if self._template is None:  # for element_spec: the first step's structure
+                self._template = _template_of(select_replica(0, value))
+            return value
         if not self._buffer:
             step = self._prepare()
             if step is None:
@@ -807,7 +813,8 @@ class DistributedIterator:
 
     @property
     def element_spec(self) -> Any:
-        """`TensorSpec` nest of one replica's element (known after the first step)."""
+        """`TensorSpec` nest of one replica's element: from the first step taken, or
+        before any, from the dataset's first element."""
         if self._element_spec is None:
             structure, empty = self._empty_template()
             self._element_spec = _spec(_pack(structure, empty), self._spec_batch_dim)
@@ -815,8 +822,7 @@ class DistributedIterator:
 
     def _empty_template(self) -> tuple[Any, list[Any]]:
         if self._template is None:
-            batch = self._template_fn()
-            self._template = (batch, _empty_leaves(_leaves(batch)))
+            self._template = _template_of(self._template_fn())
         return self._template
 
     def _prepare(self) -> _Step | None:
@@ -829,7 +835,7 @@ class DistributedIterator:
             self._done = True
             return None
         if self._template is None and step is not None and have:
-            self._template = (step.structure, step.empty_leaves())
+            self._template = step.template()
         if step is None or step.missing:
             structure, empty = self._empty_template()
             if step is None:
@@ -934,7 +940,9 @@ class DistributedDataset:
                 return _Step(batch, [(x,) for x in leaves], 1, nest=nest)
             sizes = _split_sizes(_leaves_len(leaves, batch), local)
             columns = [
-                _pieces(x, sizes) if isinstance(x, torch.Tensor) and x.dim() > 0 else (x,) * local
+                x.split_with_sizes(sizes)
+                if isinstance(x, torch.Tensor) and x.dim() > 0
+                else (x,) * local
                 for x in leaves
             ]
             # The pieces are views of the leaves: one device check for all of them.
@@ -951,7 +959,14 @@ class DistributedDataset:
             # common batch (a tensor, or a flat tuple or list of CPU tensors) is split
             # without the column bookkeeping of `_Step`; the per-step cost is then the
             # split itself (see benchmarks/bench_dataset.py).
-            batch = next(batches)
+            nonlocal exhausted
+            if exhausted:  # stays ended: `batches` may be shared (persistent workers)
+                raise StopIteration
+            try:
+                batch = next(batches)
+            except StopIteration:
+                exhausted = True
+                raise
             size = _flat_cpu_batch_size(batch)
             if size < 0:
                 leaves, nest = _leaves_and_nest(batch)
@@ -960,9 +975,9 @@ class DistributedDataset:
             if local == 1:
                 return batch
             if type(batch) is _Tensor:
-                return PerReplica(_pieces(batch, _split_sizes(size, local)))
+                return PerReplica(batch.split_with_sizes(_split_sizes(size, local)))
             sizes = _split_sizes(size, local)
-            return type(batch)([PerReplica(_pieces(x, sizes)) for x in batch])
+            return type(batch)([PerReplica(x.split_with_sizes(sizes)) for x in batch])
 
         return DistributedIterator(
             read,

@@ -64,10 +64,10 @@ class InputOptions:
       experimental_place_dataset_on_device: the per-replica pipeline itself
         produces device tensors (needs ``PER_REPLICA`` and
         ``experimental_fetch_to_device=False``).
-      experimental_per_replica_buffer_size: how many batches per replica are
-        copied to the devices ahead of use (0 disables prefetching). Nothing is
-        read ahead when there is nothing to copy (CPU replicas, or
-        ``experimental_fetch_to_device=False``) with one worker.
+      experimental_per_replica_buffer_size: how many steps are read (and copied
+        to the replicas' devices) ahead of use; 0 disables prefetching. With one
+        worker and nothing to copy (CPU replicas, or
+        ``experimental_fetch_to_device=False``) nothing is read ahead.
       auto_shard_policy: see :class:`AutoShardPolicy`.
 
     Raises:

@@ -542,6 +542,21 @@ def test_iterator_element_spec_matches_dataset_element_spec():
     assert it.element_spec == dist.element_spec
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_iterator_element_spec_is_the_first_steps_even_from_a_one_shot_stream(replicas):
+    def batches() -> Iterator[Any]:
+        for k in range(4):
+            yield torch.zeros(4, 3 + k), [f"s{k}"] * 4
+
+    dist = mirrored(replicas).experimental_distribute_dataset(batches())
+    it = iter(dist)
+    next(it)
+    spec = it.element_spec
+    assert spec == (TensorSpec((None, 3), torch.float32), ["s0"] * 4)
+    assert len(list(it)) == 3  # reading the spec took no batch from the stream
+    assert it.element_spec == spec  # and it is still there once the stream has ended
+
+
 def test_element_spec_of_a_dict_nest():
     dist = mirrored(2).experimental_distribute_dataset(
         [{"a": torch.zeros(4, 2), "b": torch.ones(4)}]
@@ -683,17 +698,43 @@ def test_cpu_replicas_read_no_batch_ahead(depth):
     assert source.read == 1
 
 
-def test_pieces_of_a_batch_share_its_memory_and_stay_views_when_it_requires_grad():
+def test_pieces_are_views_of_the_batch_that_autograd_tracks():
     data = torch.zeros(4, 2)
     (step,) = DistributedDataset([data], InputWorkers(devices=("cpu", "cpu")))
     step.values[1].fill_(1.0)
     assert data.tolist() == [[0.0, 0.0], [0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
 
+    # The batch changed in place after a piece was saved for backward: an error, as
+    # in plain PyTorch, not a silently wrong gradient.
+    data = torch.ones(4)
+    w = torch.ones((), requires_grad=True)
+    (step,) = DistributedDataset([data], InputWorkers(devices=("cpu", "cpu")))
+    loss = (w * step.values[0]).sum()
+    data.mul_(10)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
     leaf = torch.arange(4.0, requires_grad=True)
     (step,) = DistributedDataset([[leaf * 1]], InputWorkers(devices=("cpu", "cpu")))
-    assert all(piece._is_view() for piece in step[0].values)
     (step[0].values[0] * 2 + step[0].values[1] * 3).sum().backward()
     assert leaf.grad is not None and leaf.grad.tolist() == [2.0, 2.0, 3.0, 3.0]
+
+
+def test_an_ended_iterator_stays_ended_with_persistent_loader_workers():
+    # Persistent workers hand every iter(loader) the same underlying iterator: an
+    # old, ended iterator must not take the next epoch's batches.
+    loader = DataLoader(torch.arange(8), batch_size=4, num_workers=1, persistent_workers=True)
+    dist = mirrored(2).experimental_distribute_dataset(loader)
+    first = iter(dist)
+    assert len(list(first)) == 2
+    second = iter(dist)
+    with pytest.raises(StopIteration):
+        next(first)
+    assert not first.get_next_as_optional().has_value()
+    assert [local_lists(mirrored(2), step) for step in second] == [
+        [[0, 1], [2, 3]],
+        [[4, 5], [6, 7]],
+    ]
 
 
 def test_buffer_sizes_0_and_3_give_identical_data():
