@@ -112,6 +112,11 @@ class InputWorkers:
     def num_replicas_in_sync(self) -> int:
         return self.num_workers * len(self.devices)
 
+    @property
+    def cpu_only(self) -> bool:
+        """Whether every local replica's device is a CPU."""
+        return all(d.type == "cpu" for d in self.devices)
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -756,7 +761,9 @@ class DistributedIterator:
         template: Callable[[], Any],
         spec_batch_dim: int | None,
         prefetch: bool,
-        direct: Callable[[], Any] | None = None,  # the next step, as handed out
+        # The next step, as handed out, when there is nothing to agree on or copy
+        # (see NOTE [direct steps]); the steps then come from it alone.
+        direct: Callable[[], Any] | None = None,
     ) -> None:
         self._read = read
         self._workers = workers
@@ -767,15 +774,10 @@ class DistributedIterator:
         self._spec_batch_dim = spec_batch_dim
         self._buffer: collections.deque[_Step] = collections.deque()
         self._depth = options.experimental_per_replica_buffer_size if prefetch else 0
-        self._cpu_only = all(d.type == "cpu" for d in workers.devices)
+        self._cpu_only = workers.cpu_only
         self._done = False
         self._element_spec: Any = None
-        # One worker whose batches need no copy: nothing to agree on and nothing to
-        # read ahead, so the steps come straight from `direct` (see NOTE [direct steps]).
-        self._direct: Callable[[], Any] | None = None
-        if direct is not None and workers.num_workers == 1:
-            if self._cpu_only or not options.experimental_fetch_to_device:
-                self._direct = direct
+        self._direct = direct
 
     def __iter__(self) -> DistributedIterator:
         return self
@@ -949,16 +951,15 @@ class DistributedDataset:
             return _Step(batch, columns, local, on_cpu=_all_on_cpu(leaves))
 
         fetch = self._options.experimental_fetch_to_device
-        devices = workers.devices
-        cpu_only = all(d.type == "cpu" for d in devices)
 
         def direct() -> Any:
             # NOTE [direct steps]: with one worker there is nothing to agree on, and
-            # with nothing to copy nothing to read ahead, so each step is made from a
-            # batch as it comes (StopIteration at the end comes from `batches`). The
-            # common batch (a tensor, or a flat tuple or list of CPU tensors) is split
-            # without the column bookkeeping of `_Step`; the per-step cost is then the
-            # split itself (see benchmarks/bench_dataset.py).
+            # with nothing to copy (CPU replicas, or no fetching to devices) nothing
+            # to read ahead, so each step is made from a batch as it comes
+            # (StopIteration at the end comes from `batches`). The common batch (a
+            # tensor, or a flat tuple or list of CPU tensors) is split without the
+            # column bookkeeping of `_Step`; the per-step cost is then the split
+            # itself (see benchmarks/bench_dataset.py).
             nonlocal exhausted
             if exhausted:  # stays ended: `batches` may be shared (persistent workers)
                 raise StopIteration
@@ -971,7 +972,8 @@ class DistributedDataset:
             if size < 0:
                 leaves, nest = _leaves_and_nest(batch)
                 step = split(batch, leaves, nest)
-                return (step.to(devices, cpu_only) if fetch else step).value()
+                # Only a batch not on the CPU has anything to move, to the CPU replicas.
+                return (step.to(workers.devices, cpu_only=True) if fetch else step).value()
             if local == 1:
                 return batch
             if type(batch) is _Tensor:
@@ -986,7 +988,7 @@ class DistributedDataset:
             self._peek,
             self._batch_dim(),
             prefetch=True,
-            direct=direct,
+            direct=direct if workers.num_workers == 1 and (workers.cpu_only or not fetch) else None,
         )
 
     def _batch_dim(self) -> int | None:
