@@ -209,7 +209,7 @@ def bench_map_style(budget: Budget, threads: int) -> None:
 
 
 def split_by_hand(replicas: int) -> Callable[[Any], Any]:
-    """Splits a flat batch the cheapest way, as the floor that distribute is held to."""
+    """Splits a flat batch as distribute does, with nothing around it: the floor."""
 
     def split(batch: Any) -> Any:
         sizes = ds.data.sharding.split_sizes(len(batch[0]), replicas)

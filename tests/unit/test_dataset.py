@@ -737,20 +737,25 @@ def test_an_ended_iterator_stays_ended_with_persistent_loader_workers():
     ]
 
 
+@pytest.mark.timeout(30)
 def test_buffer_sizes_0_and_3_give_identical_data():
-    strategy = mirrored(3)
-    loader = DataLoader(torch.arange(50), batch_size=7)
-    results = [
-        epoch_lists(
-            strategy,
-            strategy.experimental_distribute_dataset(
-                loader, InputOptions(experimental_per_replica_buffer_size=depth)
-            ),
-        )
-        for depth in (0, 3)
-    ]
-    assert results[0] == results[1]
-    assert sum(len(x) for step in results[0] for x in step) == 50
+    # Two workers (in threads) take the read-ahead path even on CPU replicas.
+    def body(w: int, workers: InputWorkers) -> list[Any]:
+        loader = DataLoader(torch.arange(50), batch_size=7)
+        return [
+            [
+                [t.tolist() for t in step.values]
+                for step in DistributedDataset(
+                    loader, workers, InputOptions(experimental_per_replica_buffer_size=depth)
+                )
+            ]
+            for depth in (0, 3)
+        ]
+
+    results = run_workers(2, 2, body)
+    assert all(by_depth[0] == by_depth[1] for by_depth in results)
+    delivered = sorted(x for by_depth in results for step in by_depth[0] for t in step for x in t)
+    assert delivered == list(range(50))
 
 
 # -- multi-worker sharding, one thread per worker ----------------------------------------
