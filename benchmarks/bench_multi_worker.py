@@ -203,7 +203,7 @@ def _worker(quick: bool) -> list[dict[str, Any]]:
 def _our_buckets(strategy: Any, optimizer: Any) -> list[int] | None:
     """The strategy's gradient bucket sizes in bytes (internals: None if they moved)."""
     try:
-        reducer = strategy.extended._grad_sync._reducers[optimizer][1]
+        reducer = strategy.extended._step_handler._sums[optimizer][1]
         return [int(b.buffer.numel() * b.buffer.element_size()) for b in reducer._buckets]
     except (AttributeError, KeyError, TypeError):
         return None

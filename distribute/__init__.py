@@ -21,7 +21,7 @@ Example:
 
 from __future__ import annotations
 
-from distribute import cluster_resolver, data, errors, experimental, values
+from distribute import cluster_resolver, data, errors, experimental, gradients, values
 from distribute._enums import ReduceOp, VariableAggregation, VariableSynchronization
 from distribute.collectives.cross_device_ops import (
     CrossDeviceOps,
@@ -44,6 +44,7 @@ from distribute.data.options import (
     InputOptions,
     InputReplicationMode,
 )
+from distribute.gradients import GradScaler
 from distribute.losses import compute_average_loss, scale_regularization_loss
 from distribute.strategies.base import Strategy, StrategyExtended
 from distribute.strategies.central_storage import CentralStorageStrategy
@@ -66,6 +67,7 @@ __all__ = [
     "DistributedIterator",
     "DistributedValues",
     "DistributedVariable",
+    "GradScaler",
     "HierarchicalCopyAllReduce",
     "InputContext",
     "InputOptions",
@@ -94,6 +96,7 @@ __all__ = [
     "experimental_set_strategy",
     "get_replica_context",
     "get_strategy",
+    "gradients",
     "has_strategy",
     "in_cross_replica_context",
     "scale_regularization_loss",

@@ -209,7 +209,13 @@ def _enter_scope(strategy: Strategy) -> None:
             f"Mixing different distribute strategies: {strategy!r} is not "
             f"{top.strategy!r}; exit the current strategy's scope before entering another"
         )
-    _state.stack.append(_Entry(strategy, None if top is None else top.replica_context))
+    if top is not None and top.replica_context is not None:
+        raise ContextError(
+            f"{strategy!r}.scope() was entered inside `run` of {top.strategy!r} (replica "
+            f"{top.replica_context.replica_id_in_sync_group}); enter the scope around the "
+            "code that builds the model and calls `run`, not inside `fn`"
+        )
+    _state.stack.append(_Entry(strategy, None))
 
 
 def _exit_scope() -> None:

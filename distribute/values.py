@@ -220,14 +220,27 @@ def map_structure(fn: Callable[..., Any], *structures: Any) -> Any:
     return pack_sequence_as(first, [fn(*leaves) for leaves in zip(*flat)])
 
 
-def select_replica(replica: int, structure: Any) -> Any:
-    """Replaces every `DistributedValues` leaf by its component for local `replica`."""
+def select_replica(replica: int, structure: Any, num_replicas: int | None = None) -> Any:
+    """Replaces every `DistributedValues` leaf by its component for local `replica`.
+
+    Raises:
+        InvalidArgumentError: ``num_replicas`` is given and a leaf has another
+            number of components.
+    """
     if isinstance(structure, DistributedValues):
-        return structure.values[replica]
+        values = structure.values
+        if num_replicas is not None and len(values) != num_replicas:
+            raise InvalidArgumentError(
+                f"a {type(structure).__name__} with {len(values)} components was passed to "
+                f"`run` of a strategy with {num_replicas} local replicas; give one component "
+                "per local replica (strategy.experimental_distribute_values_from_function "
+                "makes one)"
+            )
+        return values[replica]
     children = _children(structure)
     if children is None:
         return structure
-    return _rebuild(structure, [select_replica(replica, c) for c in children])
+    return _rebuild(structure, [select_replica(replica, c, num_replicas) for c in children])
 
 
 def regroup(per_replica: Sequence[Any], wrap: type[DistributedValues] = PerReplica) -> Any:

@@ -431,8 +431,11 @@ class _ReplicatedMirroredVariable(MirroredVariable):
 def _swap(value: Any, running: tuple[Strategy, int] | None) -> Any:
     if isinstance(value, DistributedVariable):
         replica = None
-        if running is not None and running[0] is value._ds_strategy:
-            replica = running[1]
+        if running is not None:
+            if running[0] is value._ds_strategy:
+                replica = running[1]
+            elif running[0].extended._captures_modules:
+                _refuse_other_strategy(value, running[0])
         if isinstance(value, SyncOnReadVariable):
             return value._read_for(replica)
         return value if replica is None else value._component(replica)
@@ -442,6 +445,16 @@ def _swap(value: Any, running: tuple[Strategy, int] | None) -> Any:
     if isinstance(value, dict):
         return {k: _swap(v, running) for k, v in value.items()}
     return value
+
+
+def _refuse_other_strategy(value: DistributedVariable, running: Strategy) -> None:
+    from distribute.errors import MixedStrategyError
+
+    raise MixedStrategyError(
+        f"a variable of {value._ds_strategy!r} was used inside `run` of {running!r}; a "
+        "model runs under the strategy whose scope built it: call that strategy's `run`, "
+        f"or build the model inside `with strategy.scope():` of {running!r}"
+    )
 
 
 def _running_replica() -> tuple[Strategy, int] | None:
@@ -484,6 +497,8 @@ def Variable(
     Raises:
         InvalidArgumentError: `NONE` synchronization under a strategy, or MEAN
             aggregation of an integer variable.
+        ContextError: called inside `run` of a strategy with several replicas in
+            sync (create variables in the scope, outside `run`).
 
     Example:
         >>> import distribute as ds
@@ -499,6 +514,8 @@ def Variable(
     if trainable is None:
         trainable = synchronization is not VariableSynchronization.ON_READ
     strategy = context.get_strategy()
+    if context._current_replica_context_for(strategy) is not None:
+        _refuse_in_replica_context(strategy, "ds.Variable")
     return strategy.extended._create_variable(
         value,
         trainable=trainable,
@@ -507,11 +524,38 @@ def Variable(
     )
 
 
-def _capturing_strategy() -> Strategy | None:
+def _capturing_strategy(what: str) -> Strategy | None:
+    """The strategy whose scope turns a new `what` into its variable, if any.
+
+    Inside `run` of a strategy with several replicas in sync, nothing is captured:
+    each replica would make its own copy (initialised differently), so a new
+    variable is refused (see `_refuse_in_replica_context`); with one replica it is
+    left a plain tensor.
+    """
     top = context._top()
-    if top is None or top.replica_context is not None:
+    if top is None or not top.strategy.extended._captures_modules:
         return None
-    return top.strategy if top.strategy.extended._captures_modules else None
+    if top.replica_context is not None:
+        _refuse_in_replica_context(top.strategy, what)
+        return None
+    return top.strategy
+
+
+def _refuse_in_replica_context(strategy: Strategy, what: str) -> None:
+    """Raises when a variable is created inside `run` of a strategy of several replicas.
+
+    tf.distribute creates one variable that every replica shares (the first
+    replica creates it); here each replica thread would build its own module and
+    initialise it from its own random draws, so the replicas would silently
+    train different variables. Variables are created in the scope, outside `run`.
+    """
+    n = strategy.num_replicas_in_sync
+    if n > 1:
+        raise ContextError(
+            f"a {what} was created inside `run` of {strategy!r}, where {n} replicas would "
+            "each create their own; create variables and modules with parameters inside "
+            "`with strategy.scope():` before calling `run`, and use them inside `fn`"
+        )
 
 
 def _parameter_hook(
@@ -519,7 +563,7 @@ def _parameter_hook(
 ) -> torch.nn.Parameter | None:
     if param is None or isinstance(param, DistributedVariable):
         return None
-    strategy = _capturing_strategy()
+    strategy = _capturing_strategy("parameter")
     if strategy is None:
         return None
     var = strategy.extended._create_variable(
@@ -537,7 +581,10 @@ def _buffer_hook(
 ) -> torch.Tensor | None:
     if buffer is None or isinstance(buffer, DistributedVariable):
         return None
-    strategy = _capturing_strategy()
+    top = context._top()
+    if top is None or top.replica_context is not None:
+        return None  # a buffer made inside `run` stays a plain tensor of that replica
+    strategy = top.strategy if top.strategy.extended._captures_modules else None
     if strategy is None:
         return None
     floating = buffer.is_floating_point()

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -52,6 +54,8 @@ from distribute.data.options import (
 from distribute.errors import InvalidArgumentError
 from distribute.values import (
     PerReplica,
+    _children,
+    _rebuild,
     assert_same_structure,
     flatten,
     pack_sequence_as,
@@ -233,12 +237,12 @@ class _Step:
         """
         if self.nest is None:
             if self.replicas == 1:
-                leaves = [column[0] for column in self.columns]
+                leaves = [_unwrap(column[0]) for column in self.columns]
             else:
                 leaves = [
                     c[0]
-                    if not isinstance(c[0], torch.Tensor) and all(x is c[0] for x in c)
-                    else PerReplica(c)
+                    if not isinstance(c[0], (torch.Tensor, _Examples)) and all(x is c[0] for x in c)
+                    else PerReplica([_unwrap(x) for x in c])
                     for c in self.columns
                 ]
             self.nest = _pack(self.structure, leaves)
@@ -275,17 +279,73 @@ class _Step:
         return _Step(self.structure, columns, self.replicas)
 
 
+_ATOMS = (str, bytes, int, float, bool, type(None))
+
+
+class _Examples:
+    """A per-example sequence of plain values in a batch (file names, ids): split
+    across replicas along with the tensors, like a batch dimension.
+
+    `default_collate` leaves strings as a list or tuple with one entry per
+    example; giving every replica the whole list while the tensors are split
+    would pair examples with other examples' names.
+    """
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: Sequence[Any]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: slice) -> _Examples:
+        return _Examples(self.items[index])
+
+    def split(self, sizes: Sequence[int]) -> list[_Examples]:
+        starts = itertools.accumulate(sizes, initial=0)
+        return [_Examples(self.items[a : a + n]) for a, n in zip(starts, sizes)]
+
+    def unwrap(self) -> Any:
+        return self.items
+
+
+def _wrap_examples(batch: Any) -> Any:
+    """The batch with each list or tuple of plain values made an `_Examples` leaf."""
+    kind = type(batch)
+    if kind is _Tensor or _is_flat(batch):
+        return batch
+    if (kind is list or kind is tuple) and batch and all(type(x) in _ATOMS for x in batch):
+        return _Examples(batch)
+    children = _children(batch)
+    if children is None:
+        return batch
+    wrapped = [_wrap_examples(c) for c in children]
+    if all(w is c for w, c in zip(wrapped, children)):
+        return batch
+    return _rebuild(batch, wrapped)
+
+
+def _unwrap(leaf: Any) -> Any:
+    return leaf.unwrap() if type(leaf) is _Examples else leaf
+
+
 def _empty_leaves(leaves: Sequence[Any]) -> list[Any]:
     """Fresh batches of no elements: batch dimension 0, other dimensions, dtypes and
     devices kept (new tensors: they hold no batch's memory)."""
     return [
-        x.new_empty((0, *x.shape[1:])) if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+        x.new_empty((0, *x.shape[1:]))
+        if isinstance(x, torch.Tensor) and x.dim() > 0
+        else x[0:0]
+        if type(x) is _Examples
+        else x
         for x in leaves
     ]
 
 
 def _template_of(batch: Any) -> tuple[Any, list[Any]]:
     """An empty batch of `batch`'s structure, as (nest, leaves)."""
+    batch = _wrap_examples(batch)
     empty = _empty_leaves(_leaves(batch))
     return _pack(batch, empty), empty
 
@@ -322,8 +382,8 @@ def _leaves_and_nest(batch: Any) -> tuple[list[Any], Any]:
     if _is_flat(batch):
         return list(batch), batch
     leaves = flatten(batch)
-    if any(isinstance(x, np.ndarray) for x in leaves):
-        return _from_numpy(leaves), None
+    if any(isinstance(x, (np.ndarray, _Examples)) for x in leaves):
+        return _from_numpy(leaves), None  # the nest is rebuilt from the leaves
     return leaves, batch
 
 
@@ -364,6 +424,15 @@ def _normalize(batch: Any) -> Any:
 
 def _leaves_len(leaves: Sequence[Any], batch: Any) -> int:
     lengths = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0}
+    examples = {len(x) for x in leaves if type(x) is _Examples}
+    if examples and len(lengths) == 1 and examples != lengths:
+        raise InvalidArgumentError(
+            f"A list of per-example values (of lengths {sorted(examples)}) in a batch of "
+            f"batch size {sorted(lengths)} cannot be split across replicas with its examples: "
+            "a list or tuple of plain values (file names, ids) needs one value per example; "
+            f"got {_describe(batch)}."
+        )
+    lengths |= examples
     if len(lengths) == 1:
         return lengths.pop()
     if not lengths:
@@ -390,7 +459,12 @@ def _describe(batch: Any) -> str:
 
 
 def _slice_leaves(leaves: Sequence[Any], start: int, stop: int) -> list[Any]:
-    return [x[start:stop] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in leaves]
+    return [
+        x[start:stop]
+        if (isinstance(x, torch.Tensor) and x.dim() > 0) or type(x) is _Examples
+        else x
+        for x in leaves
+    ]
 
 
 def _to_device(x: Any, device: torch.device) -> Any:
@@ -408,6 +482,8 @@ def _spec(batch: Any, batch_dim: int | None) -> Any:
     specs = [
         TensorSpec((batch_dim, *x.shape[1:]) if x.dim() > 0 else (), x.dtype)
         if isinstance(x, torch.Tensor)
+        else type(x.items)
+        if type(x) is _Examples
         else x
         for x in leaves
     ]
@@ -893,6 +969,14 @@ class DistributedDataset:
 
     def __iter__(self) -> DistributedIterator:
         self._epoch += 1
+        if self._epoch > 0 and isinstance(self._dataset, Iterator):
+            warnings.warn(
+                f"A {type(self._dataset).__name__} given to experimental_distribute_dataset is "
+                "an iterator, which can be iterated once: this pass continues where the last "
+                "one stopped and is empty if it ended. Pass a re-iterable (a DataLoader, a "
+                "list, or an object whose __iter__ starts over) for several epochs",
+                stacklevel=2,
+            )
         batches = self._source.batches(self._epoch)
         workers = self._workers
         slice_global = self._source.slice_global
@@ -913,6 +997,7 @@ class DistributedDataset:
             except StopIteration:
                 exhausted = True
                 return None
+            batch = _wrap_examples(batch)
             leaves, nest = _leaves_and_nest(batch)
             if slice_global:
                 start, stop = sharding.worker_slice(
@@ -944,6 +1029,8 @@ class DistributedDataset:
             columns = [
                 x.split_with_sizes(sizes)
                 if isinstance(x, torch.Tensor) and x.dim() > 0
+                else x.split(sizes)
+                if type(x) is _Examples
                 else (x,) * local
                 for x in leaves
             ]
@@ -970,6 +1057,7 @@ class DistributedDataset:
                 raise
             size = _flat_cpu_batch_size(batch)
             if size < 0:
+                batch = _wrap_examples(batch)
                 leaves, nest = _leaves_and_nest(batch)
                 step = split(batch, leaves, nest)
                 # Only a batch not on the CPU has anything to move, to the CPU replicas.

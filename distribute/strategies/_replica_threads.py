@@ -14,6 +14,7 @@ the timeout passes, the error names the replicas that never arrived.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import queue
 import threading
 import time
@@ -140,6 +141,48 @@ class Rendezvous:
             ) from self._abort
 
 
+class _ThreadState:
+    """The caller's thread-local torch modes, carried into each replica thread.
+
+    Grad mode, inference mode and autocast are thread-local in torch: without
+    this, ``with torch.autocast("cpu", dtype=torch.bfloat16): strategy.run(fn)``
+    would compute in bfloat16 with one replica and in float32 with several.
+    """
+
+    __slots__ = ("autocast", "grad", "inference")
+
+    def __init__(
+        self, grad: bool, inference: bool, autocast: tuple[tuple[str, torch.dtype], ...]
+    ) -> None:
+        self.grad = grad
+        self.inference = inference
+        self.autocast = autocast
+
+    @classmethod
+    def capture(cls) -> _ThreadState:
+        autocast = tuple(
+            (device, torch.get_autocast_dtype(device))
+            for device in _AUTOCAST_DEVICES
+            if torch.is_autocast_enabled(device)
+        )
+        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
+
+    def entered(self) -> contextlib.AbstractContextManager[Any]:
+        """A context manager that sets these modes in the current thread."""
+        if not self.inference and not self.autocast:  # the common case: one mode
+            return torch.set_grad_enabled(self.grad)
+        stack = contextlib.ExitStack()
+        if self.inference:
+            stack.enter_context(torch.inference_mode())
+        stack.enter_context(torch.set_grad_enabled(self.grad))
+        for device, dtype in self.autocast:
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        return stack
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
 class _Worker(threading.Thread):
     def __init__(self, index: int) -> None:
         super().__init__(name=f"distribute-replica-{index}", daemon=True)
@@ -190,12 +233,12 @@ class ReplicaThreads:
         results: list[Any] = [None] * n
         errors: list[BaseException | None] = [None] * n
         done = threading.Semaphore(0)
-        grad_enabled = torch.is_grad_enabled()
+        state = _ThreadState.capture()
 
         def make_task(i: int) -> Callable[[], None]:
             def task() -> None:
                 try:
-                    with torch.set_grad_enabled(grad_enabled):
+                    with state.entered():
                         results[i] = fns[i]()
                     on_finish(i)
                 except BaseException as e:

@@ -27,6 +27,7 @@ from distribute.errors import (
     ContextError,
     InvalidArgumentError,
 )
+from distribute.strategies._devices import parse_device
 from distribute.strategies._replica_threads import Rendezvous, ReplicaThreads
 from distribute.strategies.base import StrategyExtended
 from distribute.values import (
@@ -73,19 +74,6 @@ class CrossWorker(Protocol):
     def all_reduce_async(
         self, tensors: Sequence[torch.Tensor], op: ReduceOp, *, name: str
     ) -> Any: ...
-
-
-def parse_device(device: str | torch.device) -> tuple[str, torch.device]:
-    """Returns (display name, tensor device) for a replica device.
-
-    Logical CPU devices ("cpu:0", "cpu:1", ...) are distinct replicas whose tensors
-    all live on the one CPU.
-    """
-    name = str(device)
-    parsed = torch.device(device)
-    if parsed.type == "cpu":
-        return name, torch.device("cpu")
-    return name, parsed
 
 
 class ReplicatedExtended(StrategyExtended):
@@ -146,12 +134,13 @@ class ReplicatedExtended(StrategyExtended):
         self._rendezvous = Rendezvous(n, self._timeout) if n > 1 else None
         self._threads: ReplicaThreads | None = None
         self._thread_lock = threading.Lock()
+        self._run_owner: threading.Thread | None = None
         self._skip_grads = threading.local()
         self.experimental_aggregate_gradients = True
         self._no_sync_depth = 0
-        from distribute._grad_sync import GradientSynchronizer
+        from distribute.gradients.synchronous import SynchronousStepHandler
 
-        self._grad_sync = GradientSynchronizer(self)
+        self._step_handler = SynchronousStepHandler(self)
         weakref.finalize(self, _shutdown_threads, self._thread_holder())
 
     def _thread_holder(self) -> list[ReplicaThreads]:
@@ -207,16 +196,36 @@ class ReplicatedExtended(StrategyExtended):
                 "replicas. Return from merge_fn and call `run` from the outer loop"
             )
         strategy = self._container_strategy
-        self._before_run()
-        try:
-            if self._num_local == 1:
+        if self._num_local == 1:
+            self._before_run()
+            try:
                 replica_ctx = ReplicaContext(strategy, self._global_id(0), 0)
                 with context._push(strategy, replica_ctx):
-                    return fn(*select_replica(0, tuple(args)), **select_replica(0, kwargs))
-            results = self._run_in_threads(fn, tuple(args), kwargs)
-            return regroup(results)
+                    return fn(*select_replica(0, tuple(args), 1), **select_replica(0, kwargs, 1))
+            finally:
+                self._after_run()
+        self._claim_run()
+        try:
+            self._before_run()
+            try:
+                return regroup(self._run_in_threads(fn, tuple(args), kwargs))
+            finally:
+                self._after_run()
         finally:
-            self._after_run()
+            self._run_owner = None
+
+    def _claim_run(self) -> None:
+        """Refuses a second thread's `run` while one is in progress (they share replicas)."""
+        with self._thread_lock:
+            owner = self._run_owner
+            if owner is not None:
+                raise ContextError(
+                    f"`run` of {self._container_strategy!r} was called from thread "
+                    f"{threading.current_thread().name!r} while thread {owner.name!r} is "
+                    "inside `run` of the same strategy; its replica threads run one step at "
+                    "a time: call `run` from one thread, or give each thread its own strategy"
+                )
+            self._run_owner = threading.current_thread()
 
     def _run_in_threads(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -229,11 +238,12 @@ class ReplicatedExtended(StrategyExtended):
         strategy = self._container_strategy
         rendezvous = self._rendezvous
         rendezvous.reset()
+        n = self._num_local
 
         def replica_fn(local: int) -> Any:
             replica_ctx = ReplicaContext(strategy, self._global_id(local), local)
             with context._push(strategy, replica_ctx):
-                return fn(*select_replica(local, args), **select_replica(local, kwargs))
+                return fn(*select_replica(local, args, n), **select_replica(local, kwargs, n))
 
         fns = [functools.partial(replica_fn, i) for i in range(self._num_local)]
         return self._threads.call(

@@ -18,7 +18,7 @@ strategy.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from distribute.data.options import InputContext, InputOptions, ValueContext
     from distribute.variables import DistributedVariable
 
-__all__ = ["Strategy", "StrategyExtended"]
+__all__ = ["Strategy", "StrategyExtended", "StrategyScope"]
 
 
 class StrategyExtended:
@@ -174,6 +174,31 @@ class StrategyExtended:
         context._exit_scope()
 
 
+class StrategyScope:
+    """What `Strategy.scope()` returns: a reusable, re-entrant context manager.
+
+    Example:
+        >>> import distribute as ds
+        >>> s = ds.OneDeviceStrategy("cpu")
+        >>> scope = s.scope()
+        >>> with scope as entered, scope:
+        ...     entered is s
+        True
+    """
+
+    __slots__ = ("_strategy",)
+
+    def __init__(self, strategy: Strategy) -> None:
+        self._strategy = strategy
+
+    def __enter__(self) -> Strategy:
+        self._strategy.extended._enter_scope()
+        return self._strategy
+
+    def __exit__(self, *exc: object) -> None:
+        self._strategy.extended._exit_scope()
+
+
 class Strategy:
     """Base class of every strategy: how a training step is distributed.
 
@@ -209,12 +234,13 @@ class Strategy:
         """The cluster resolver, or `None` for single-process strategies."""
         return None
 
-    @contextlib.contextmanager
-    def scope(self) -> Iterator[Strategy]:
+    def scope(self) -> StrategyScope:
         """Makes this strategy current; modules built inside get distributed variables.
 
-        Re-entering the same strategy's scope is fine; entering a different strategy's
-        scope inside it raises `RuntimeError` naming both.
+        The returned object can be entered any number of times, in sequence or
+        nested. Re-entering the same strategy's scope is fine; entering a different
+        strategy's scope inside it raises `RuntimeError` naming both, and so does
+        entering a scope inside `run`.
 
         Example:
             >>> import distribute as ds, torch
@@ -224,11 +250,7 @@ class Strategy:
             >>> type(w).__name__.endswith("MirroredVariable")
             True
         """
-        self._extended._enter_scope()
-        try:
-            yield self
-        finally:
-            self._extended._exit_scope()
+        return StrategyScope(self)
 
     def run(
         self,

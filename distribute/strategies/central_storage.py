@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import torch
 
 from distribute.errors import InvalidArgumentError
-from distribute.strategies._replicated import ReplicatedExtended, parse_device
+from distribute.strategies._devices import device_list, parse_device
+from distribute.strategies._replicated import ReplicatedExtended
 from distribute.strategies.base import Strategy
 from distribute.strategies.mirrored import default_devices
 
@@ -40,12 +41,10 @@ class CentralStorageStrategy(Strategy):
 
     def __init__(
         self,
-        compute_devices: Sequence[str | torch.device] | None = None,
+        compute_devices: str | torch.device | Sequence[str | torch.device] | None = None,
         parameter_device: str | torch.device | None = None,
     ) -> None:
-        devices = [
-            str(d) for d in (compute_devices if compute_devices is not None else default_devices())
-        ]
+        devices = device_list(compute_devices if compute_devices is not None else default_devices())
         parameter = parse_device(parameter_device or "cpu")[1]
         placed = {parse_device(d)[1] for d in devices}
         if placed != {parameter}:

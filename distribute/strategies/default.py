@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 
 from distribute.strategies._replicated import ReplicatedExtended
-from distribute.strategies.base import Strategy
+from distribute.strategies.base import Strategy, StrategyScope
 
 __all__ = ["DefaultStrategy"]
 
@@ -30,13 +28,22 @@ class DefaultStrategy(Strategy):
             ReplicatedExtended(self, ["cpu"], captures_modules=False, wrap_single_values=False)
         )
 
-    @contextlib.contextmanager
-    def scope(self) -> Iterator[Strategy]:
-        """A no-op scope (the default strategy is already current)."""
-        yield self
+    def scope(self) -> StrategyScope:
+        """A scope that changes nothing (the default strategy is already current)."""
+        return _DefaultScope(self)
 
     def __repr__(self) -> str:
         return "DefaultStrategy()"
+
+
+class _DefaultScope(StrategyScope):
+    """Enters nothing: the default strategy is what no scope means."""
+
+    def __enter__(self) -> Strategy:
+        return self._strategy
+
+    def __exit__(self, *exc: object) -> None:
+        pass
 
 
 @functools.cache

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from distribute.collectives.cross_device_ops import CrossDeviceOps
+from distribute.strategies._devices import device_list
 from distribute.strategies._replicated import ReplicatedExtended
 from distribute.strategies.base import Strategy
 
@@ -28,8 +29,14 @@ class MirroredStrategy(Strategy):
     the same update.
 
     Args:
-        devices: replica devices. None: every visible CUDA GPU, else one CPU. Logical
-            CPU devices ("cpu:0", "cpu:1", ...) are distinct replicas on the one CPU.
+        devices: replica devices (a list, or one device). None: every visible CUDA
+            GPU, else one CPU. Logical CPU devices ("cpu:0", "cpu:1", ...) are
+            distinct replicas on the one CPU. TensorFlow's spellings ("/gpu:0",
+            "/device:CPU:0") are accepted.
+
+    Raises:
+        InvalidArgumentError: a device that is not a device name or that this
+            machine does not have (the message lists the devices it has).
         cross_device_ops: the `CrossDeviceOps` used by `extended.reduce_to`.
 
     Example:
@@ -43,10 +50,10 @@ class MirroredStrategy(Strategy):
 
     def __init__(
         self,
-        devices: Sequence[str | torch.device] | None = None,
+        devices: str | torch.device | Sequence[str | torch.device] | None = None,
         cross_device_ops: CrossDeviceOps | None = None,
     ) -> None:
-        self._devices = [str(d) for d in (devices if devices is not None else default_devices())]
+        self._devices = device_list(devices if devices is not None else default_devices())
         super().__init__(ReplicatedExtended(self, self._devices, cross_device_ops=cross_device_ops))
 
     def __repr__(self) -> str:

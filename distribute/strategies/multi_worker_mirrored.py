@@ -23,6 +23,7 @@ import torch
 from distribute.cluster_resolver import ClusterResolver, resolve_cluster
 from distribute.errors import InvalidArgumentError
 from distribute.experimental import CommunicationImplementation, CommunicationOptions
+from distribute.strategies._devices import device_list
 from distribute.strategies._replicated import ReplicatedExtended
 from distribute.strategies.base import Strategy
 
@@ -89,13 +90,13 @@ class MultiWorkerMirroredStrategy(Strategy):
         self,
         cluster_resolver: ClusterResolver | None = None,
         communication_options: CommunicationOptions | None = None,
-        devices: Sequence[str | torch.device] | None = None,
+        devices: str | torch.device | Sequence[str | torch.device] | None = None,
     ) -> None:
         options = communication_options or CommunicationOptions()
         resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
         self._resolver = resolver
         self._options = options
-        names = [str(d) for d in (devices if devices is not None else _default_devices(resolver))]
+        names = device_list(devices if devices is not None else _default_devices(resolver))
         bytes_per_pack = options.bytes_per_pack or DEFAULT_BYTES_PER_PACK
         extended = ReplicatedExtended(
             self, names, timeout_seconds=options.timeout_seconds, bytes_per_pack=bytes_per_pack
@@ -150,7 +151,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         """Destroys the process group; the strategy cannot run collectives afterwards."""
         extended = self._extended
         assert isinstance(extended, ReplicatedExtended)
-        extended._grad_sync.remove_reducers()  # a later backward must not reach them
+        extended._step_handler.close()  # a later backward must not reach them
         if self._collectives is not None:
             self._collectives.shutdown()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from distribute.strategies._devices import parse_device
 from distribute.strategies._replicated import ReplicatedExtended
 from distribute.strategies.base import Strategy
 
@@ -14,7 +15,10 @@ class OneDeviceStrategy(Strategy):
     """Places variables and input on one device; `run` calls `fn` once, inline.
 
     Args:
-        device: the device, e.g. "cpu" or "cuda:0".
+        device: the device, e.g. "cpu" or "cuda:0" (TensorFlow's "/gpu:0" too).
+
+    Raises:
+        InvalidArgumentError: not a device name, or a device this machine lacks.
 
     Example:
         >>> import distribute as ds, torch
@@ -26,7 +30,7 @@ class OneDeviceStrategy(Strategy):
     """
 
     def __init__(self, device: str | torch.device) -> None:
-        self._device = torch.device(device)
+        self._device = parse_device(device)[1]
         super().__init__(ReplicatedExtended(self, [self._device], wrap_single_values=False))
 
     def __repr__(self) -> str:

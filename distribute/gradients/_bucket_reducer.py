@@ -186,7 +186,7 @@ class BucketReducer:
             for k, var in enumerate(self._variables[j] for j in bucket.members)
             if var.requires_grad
         ]
-        # Unregister the hooks when the reducer goes (its optimizer went) or on `remove`.
+        # Unregister the hooks when the reducer goes (its optimizer went) or on `close`.
         self._finalizer = weakref.finalize(self, _remove_hooks, self._hooks)
 
     @property
@@ -198,7 +198,7 @@ class BucketReducer:
         """Raises on every worker when the workers' bucket layouts differ."""
         self._collectives.check_same(self.signature, name="gradient bucket layout")
 
-    def remove(self) -> None:
+    def close(self) -> None:
         """Unregisters the gradient hooks."""
         self._finalizer()
 
@@ -278,8 +278,12 @@ class BucketReducer:
             [bucket.buffer], ReduceOp.SUM, name=bucket.name
         )
 
-    def finish(self) -> None:
-        """Launches what is left, waits for every bucket and hands the sums to `.grad`."""
+    def sum(self, local: int = 0) -> None:
+        """Launches what is left, waits for every bucket and hands the sums to `.grad`.
+
+        On the first step no hook has fired yet, so every bucket is filled and
+        launched here.
+        """
         with self._lock:
             buckets = self._buckets
             launched, self._next_launch = self._next_launch, 0

@@ -1,0 +1,98 @@
+"""Optimizer state kept per local replica.
+
+With several local replicas every replica runs the same `optimizer.step()` on its
+own copy of the variables, so momentum and Adam's moments must be per replica
+too (each on its replica's device). `PerReplicaState` replaces the optimizer's
+``state`` and resolves to the running replica's own dict.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from distribute.variables import _local_replica
+
+if TYPE_CHECKING:
+    from distribute.strategies._replicated import ReplicatedExtended
+
+__all__ = ["PerReplicaState"]
+
+
+class PerReplicaState(collections.defaultdict):  # type: ignore[type-arg]
+    """An optimizer's `state`, one dict per local replica, chosen by the running replica.
+
+    Cross-replica code (e.g. `optimizer.state_dict()`) sees replica 0's state.
+    """
+
+    def __init__(self, existing: dict[Any, Any], ext: ReplicatedExtended) -> None:
+        super().__init__(dict)
+        self._strategy = ext._container_strategy
+        self._replicas: list[collections.defaultdict[Any, Any]] = [
+            collections.defaultdict(dict, existing)
+        ]
+        for device in ext._devices[1:]:
+            self._replicas.append(collections.defaultdict(dict, _clone_state(existing, device)))
+
+    def _current(self) -> collections.defaultdict[Any, Any]:
+        return self._replicas[_local_replica(self._strategy) or 0]
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._current()[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._current()[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        del self._current()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._current()
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._current())
+
+    def __len__(self) -> int:
+        return len(self._current())
+
+    def __bool__(self) -> bool:
+        return bool(self._current())
+
+    def keys(self) -> Any:
+        return self._current().keys()
+
+    def values(self) -> Any:
+        return self._current().values()
+
+    def items(self) -> Any:
+        return self._current().items()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self._current().get(key, default)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        return self._current().setdefault(key, default)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        return self._current().pop(key, *default)
+
+    def clear(self) -> None:
+        self._current().clear()
+
+    def __repr__(self) -> str:
+        return repr(dict(self._current()))
+
+
+def _clone_state(state: dict[Any, Any], device: torch.device) -> dict[Any, Any]:
+    def clone(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.detach().to(device, copy=True)
+        if isinstance(x, dict):
+            return {k: clone(v) for k, v in x.items()}
+        return copy.deepcopy(x)
+
+    return {k: clone(v) for k, v in state.items()}

@@ -1,0 +1,80 @@
+"""The two small interfaces of the gradient layer.
+
+A strategy decides what `optimizer.step()` means for its variables by providing a
+`StepHandler` (``strategy.extended._step_handler``). The optimizer hooks
+(`distribute.gradients._hooks`) check the step (see NOTE [refused steps]) and then
+call the running strategy's handler in every local replica. A synchronous handler
+sums gradients with a `GradientSum`; a parameter-server handler would send them
+to the ps tasks instead; an XLA handler would reduce them in the graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
+    from distribute.variables import DistributedVariable
+
+__all__ = ["GradientSum", "StepHandler"]
+
+
+class StepHandler(Protocol):
+    """What a strategy does with gradients when `optimizer.step()` runs inside its `run`.
+
+    Every method is called in every local replica's thread, with that replica's
+    local id, and with this strategy's variables among the optimizer's
+    parameters (never empty; the hooks have already refused plain parameters and
+    other strategies' variables where those would give wrong numbers).
+    """
+
+    def sum_gradients(
+        self, optimizer: Optimizer, variables: Sequence[DistributedVariable], local: int
+    ) -> None:
+        """Combines every replica's gradients now, before the step.
+
+        For code that must see the combined gradients before `optimizer.step()`
+        (`distribute.GradScaler.unscale_` checks them for infinities); the step
+        that follows then does not combine them again.
+        """
+        ...
+
+    def before_step(
+        self,
+        optimizer: Optimizer,
+        variables: Sequence[DistributedVariable],
+        local: int,
+        *,
+        summed: bool,
+    ) -> None:
+        """Prepares the update (``summed``: `sum_gradients` already ran this step)."""
+        ...
+
+    def after_step(
+        self, optimizer: Optimizer, variables: Sequence[DistributedVariable], local: int
+    ) -> None:
+        """Finishes the update (e.g. waits until a shared copy is written)."""
+        ...
+
+    def close(self) -> None:
+        """Releases hooks and buffers (the strategy shuts down)."""
+        ...
+
+
+class GradientSum(Protocol):
+    """Sums one optimizer's gradients over every replica of every worker.
+
+    After `sum(local)` each local replica's ``.grad`` of every variable is the sum
+    over all replicas; a variable that no replica has a gradient for keeps
+    ``grad = None``.
+    """
+
+    def sum(self, local: int) -> None:
+        """Called by every local replica at the step; returns when the sum is in `.grad`."""
+        ...
+
+    def close(self) -> None:
+        """Releases hooks and buffers."""
+        ...

@@ -1,0 +1,128 @@
+"""`GradScaler`: `torch.amp.GradScaler` that unscales the summed gradients.
+
+# NOTE [loss scaling with replicas]
+`torch.amp.GradScaler.unscale_` divides each replica's own gradient by the scale
+and checks it for infinities before the optimizer step, which is where gradients
+are summed over replicas. Replicas then disagree on whether to step (one skips
+and the others wait for it in the sum), and an unscaled local gradient is summed
+with scaled ones. This scaler sums first: its `unscale_` (called by `step`, or
+by the user before clipping) has the strategy sum the gradients over every
+replica of every worker, then unscales and checks the sum, which every replica
+holds identically; so every replica steps or skips together, and the scale
+evolves identically everywhere. The scale, the growth tracker and the
+per-optimizer stages are kept per local replica (replica threads share the
+scaler object); in cross-replica code, `get_scale()` and `state_dict()` see
+replica 0's.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+
+from distribute import context
+from distribute.gradients._hooks import forget_early_sums, sum_before_step
+
+__all__ = ["GradScaler"]
+
+
+def _local_replica_id() -> int:
+    top = context._top()
+    if top is None or top.replica_context is None:
+        return 0
+    return top.replica_context.local_replica_id
+
+
+class _PerReplicaAttribute:
+    """A `GradScaler` attribute with one value per local replica."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, scaler: Any, owner: type | None = None) -> Any:
+        if scaler is None:
+            return self
+        return scaler._ds_slot()[self._name]
+
+    def __set__(self, scaler: Any, value: Any) -> None:
+        scaler._ds_slot()[self._name] = value
+
+
+class GradScaler(torch.amp.GradScaler):
+    """Loss scaling for mixed precision under any strategy (`torch.amp.GradScaler`'s API).
+
+    Use it exactly like `torch.amp.GradScaler`, inside the step function given to
+    `strategy.run`; gradients are summed over all replicas before they are
+    unscaled and checked, so every replica and worker makes the same decision.
+    `torch.amp.GradScaler` itself is refused under a strategy with more than one
+    replica in sync.
+
+    Example:
+        >>> import distribute as ds, torch
+        >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> with strategy.scope():
+        ...     model = torch.nn.Linear(4, 1)
+        ...     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        ...     scaler = ds.GradScaler("cpu", init_scale=1024.0)
+        >>> def step(x):
+        ...     with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...         per_example = model(x).float().pow(2).mean(1)
+        ...     loss = ds.compute_average_loss(per_example, global_batch_size=8)
+        ...     scaler.scale(loss).backward()
+        ...     scaler.step(optimizer)   # sums, unscales, checks, steps
+        ...     scaler.update()
+        ...     optimizer.zero_grad()
+        >>> _ = strategy.run(step, args=(ds.PerReplica((torch.ones(4, 4), torch.ones(4, 4))),))
+        >>> scaler.get_scale()
+        1024.0
+    """
+
+    _ds_sums_first = True  # read by the optimizer hooks (NOTE [refused steps])
+
+    _scale = _PerReplicaAttribute()
+    _growth_tracker = _PerReplicaAttribute()
+    _per_optimizer_states = _PerReplicaAttribute()
+
+    def _ds_slot(self) -> dict[str, Any]:
+        """The running local replica's attributes (replica 0's in cross-replica code)."""
+        slots: dict[int, dict[str, Any]] = self.__dict__.setdefault("_ds_slots", {0: {}})
+        replica = _local_replica_id()
+        slot = slots.get(replica)
+        if slot is None:
+            lock: threading.Lock = self.__dict__.setdefault("_ds_lock", threading.Lock())
+            with lock:
+                slot = slots.get(replica)
+                if slot is None:
+                    slot = self._ds_new_slot(slots[0])
+                    slots[replica] = slot
+        return slot
+
+    def _ds_new_slot(self, first: dict[str, Any]) -> dict[str, Any]:
+        """Another replica's attributes, starting from replica 0's."""
+        scale = first.get("_scale")
+        tracker = first.get("_growth_tracker")
+        return {
+            "_scale": None if scale is None else scale.clone(),
+            "_growth_tracker": None if tracker is None else tracker.clone(),
+            "_per_optimizer_states": collections.defaultdict(_refresh_per_optimizer_state),
+        }
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Sums the optimizer's gradients over all replicas, then unscales the sum.
+
+        See `torch.amp.GradScaler.unscale_`; inside `strategy.run` it first has
+        the strategy sum the gradients (every replica must call it, as `step`).
+        """
+        if self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+            sum_before_step(optimizer)
+        super().unscale_(optimizer)
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """See `torch.amp.GradScaler.update`; identical on every replica."""
+        if self._enabled:
+            forget_early_sums(self._per_optimizer_states.keys())
+        super().update(new_scale)

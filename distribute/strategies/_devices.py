@@ -1,0 +1,79 @@
+"""Replica device names: torch's and tf.distribute's spellings, checked at construction.
+
+Accepted for one device: a `torch.device`, torch's strings (``"cpu"``, ``"cuda:1"``,
+``"meta"``), and TensorFlow's (``"/gpu:0"``, ``"GPU:0"``, ``"/device:CPU:0"``,
+``"/job:localhost/replica:0/task:0/device:GPU:0"``); GPU means CUDA. Logical CPU
+devices (``"cpu:0"``, ``"cpu:1"``) are distinct replicas whose tensors all live on
+the one CPU. A CUDA device that this machine does not have is refused, naming
+the devices it has.
+
+Example:
+    >>> from distribute.strategies._devices import parse_device
+    >>> parse_device("/job:localhost/replica:0/task:0/device:CPU:1")
+    ('cpu:1', device(type='cpu'))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from distribute.errors import InvalidArgumentError
+
+__all__ = ["available_devices", "device_list", "parse_device"]
+
+
+def available_devices() -> list[str]:
+    """The devices a replica can use here: the CPU and every visible CUDA GPU."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return ["cpu", *(f"cuda:{i}" for i in range(count))]
+
+
+def _torch_spelling(name: str) -> str:
+    """``"/job:w/replica:0/task:0/device:GPU:1"`` -> ``"cuda:1"``; torch names unchanged."""
+    spelled = name.strip()
+    if "device:" in spelled:
+        spelled = spelled.rsplit("device:", 1)[1]
+    spelled = spelled.lstrip("/")
+    kind, sep, index = spelled.partition(":")
+    kind = kind.lower()
+    if kind == "gpu":
+        kind = "cuda"
+    return f"{kind}{sep}{index}"
+
+
+def parse_device(device: str | torch.device) -> tuple[str, torch.device]:
+    """Returns (display name, tensor device) for a replica device.
+
+    Raises:
+        InvalidArgumentError: the name is not a device, or a CUDA device this
+            machine does not have.
+    """
+    name = str(device) if isinstance(device, torch.device) else _torch_spelling(device)
+    try:
+        parsed = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidArgumentError(
+            f"{device!r} is not a device name ({e}); use e.g. 'cpu', 'cpu:1' (a logical CPU "
+            f"replica), 'cuda:0' or TensorFlow's '/gpu:0'; devices here: {available_devices()}"
+        ) from None
+    if parsed.type == "cpu":
+        return name, torch.device("cpu")
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = parsed.index if parsed.index is not None else 0
+        if not 0 <= index < count:
+            raise InvalidArgumentError(
+                f"device {device!r} ({name}) does not exist on this machine, which has "
+                f"{available_devices()}; pick one of those (logical CPU replicas: "
+                "['cpu:0', 'cpu:1', ...])"
+            )
+    return name, parsed
+
+
+def device_list(devices: str | torch.device | Sequence[str | torch.device]) -> list[str]:
+    """A strategy's device argument as a list of names: one device alone is one replica."""
+    if isinstance(devices, (str, torch.device)):
+        return [str(devices)]
+    return [str(d) for d in devices]
