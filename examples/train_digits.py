@@ -2,7 +2,8 @@
 
 The training step is written once; only the strategy object changes:
 
-    python examples/train_digits.py                                   # default strategy, CPU
+    python examples/train_digits.py                          # MirroredStrategy, 2 CPU replicas
+    python examples/train_digits.py --strategy default        # no distribution at all
     python examples/train_digits.py --strategy one_device --device cpu
     python examples/train_digits.py --strategy mirrored --replicas 4  # 4 logical CPU replicas
     python examples/train_digits.py --strategy central_storage --replicas 2
@@ -72,7 +73,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--strategy", default="default", choices=STRATEGIES)
+    parser.add_argument(
+        "--strategy",
+        default="mirrored",
+        choices=STRATEGIES,
+        help="mirrored (the default): 2 logical CPU replicas in this process",
+    )
     parser.add_argument(
         "--replicas",
         type=int,
