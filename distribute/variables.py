@@ -70,6 +70,9 @@ class DistributedVariable(torch.Tensor):
     _ds_is_buffer: bool
     _ds_trainable: bool
     _ds_agreed: torch.Tensor | None  # multi-worker buffers: the value at the last sync
+    #: Whether any strategy of several replicas in sync has made a variable in this
+    #: process; until then the optimizer hooks skip their checks outside `run`.
+    _ds_any_replicated: bool = False
 
     @classmethod
     def _create(
@@ -104,6 +107,8 @@ class DistributedVariable(torch.Tensor):
         var._ds_trainable = trainable
         var._ds_agreed = None
         var._ds_synced_version = var._primary_version()
+        if strategy.num_replicas_in_sync > 1:
+            DistributedVariable._ds_any_replicated = True
         if is_param:
             var._is_param = True  # nn.Parameter's isinstance check honours this flag
         return var
@@ -434,8 +439,8 @@ def _swap(value: Any, running: tuple[Strategy, int] | None) -> Any:
         if running is not None:
             if running[0] is value._ds_strategy:
                 replica = running[1]
-            elif running[0].extended._captures_modules:
-                _refuse_other_strategy(value, running[0])
+            elif running[0].extended._captures_modules and torch.is_grad_enabled():
+                _refuse_other_strategy(value, running[0])  # reading it without grad is fine
         if isinstance(value, SyncOnReadVariable):
             return value._read_for(replica)
         return value if replica is None else value._component(replica)
@@ -524,19 +529,20 @@ def Variable(
     )
 
 
-def _capturing_strategy(what: str) -> Strategy | None:
-    """The strategy whose scope turns a new `what` into its variable, if any.
+def _capturing_strategy(what: str | None) -> Strategy | None:
+    """The strategy whose scope turns a new parameter or buffer into its variable.
 
-    Inside `run` of a strategy with several replicas in sync, nothing is captured:
-    each replica would make its own copy (initialised differently), so a new
-    variable is refused (see `_refuse_in_replica_context`); with one replica it is
-    left a plain tensor.
+    Inside `run` nothing is captured: each replica would make its own copy. A new
+    parameter (``what``) is refused there when several replicas are in sync (see
+    `_refuse_in_replica_context`) and otherwise left a plain tensor, as is a
+    buffer (``what=None``).
     """
     top = context._top()
     if top is None or not top.strategy.extended._captures_modules:
         return None
     if top.replica_context is not None:
-        _refuse_in_replica_context(top.strategy, what)
+        if what is not None:
+            _refuse_in_replica_context(top.strategy, what)
         return None
     return top.strategy
 
@@ -581,10 +587,7 @@ def _buffer_hook(
 ) -> torch.Tensor | None:
     if buffer is None or isinstance(buffer, DistributedVariable):
         return None
-    top = context._top()
-    if top is None or top.replica_context is not None:
-        return None  # a buffer made inside `run` stays a plain tensor of that replica
-    strategy = top.strategy if top.strategy.extended._captures_modules else None
+    strategy = _capturing_strategy(None)
     if strategy is None:
         return None
     floating = buffer.is_floating_point()

@@ -279,11 +279,11 @@ class _Step:
         return _Step(self.structure, columns, self.replicas)
 
 
-_ATOMS = (str, bytes, int, float, bool, type(None))
+_ATOMS = (str, bytes)  # what `default_collate` leaves as a list (numbers become tensors)
 
 
 class _Examples:
-    """A per-example sequence of plain values in a batch (file names, ids): split
+    """A per-example list or tuple of strings in a batch (file names, ids): split
     across replicas along with the tensors, like a batch dimension.
 
     `default_collate` leaves strings as a list or tuple with one entry per
@@ -311,7 +311,11 @@ class _Examples:
 
 
 def _wrap_examples(batch: Any) -> Any:
-    """The batch with each list or tuple of plain values made an `_Examples` leaf."""
+    """The batch with each list or tuple of strings made an `_Examples` leaf.
+
+    Other lists and tuples of plain values (an image size, constants) stay what
+    they were: nests whose leaves every replica gets whole.
+    """
     kind = type(batch)
     if kind is _Tensor or _is_flat(batch):
         return batch
@@ -427,9 +431,9 @@ def _leaves_len(leaves: Sequence[Any], batch: Any) -> int:
     examples = {len(x) for x in leaves if type(x) is _Examples}
     if examples and len(lengths) == 1 and examples != lengths:
         raise InvalidArgumentError(
-            f"A list of per-example values (of lengths {sorted(examples)}) in a batch of "
+            f"A list of per-example strings (of lengths {sorted(examples)}) in a batch of "
             f"batch size {sorted(lengths)} cannot be split across replicas with its examples: "
-            "a list or tuple of plain values (file names, ids) needs one value per example; "
+            "a list or tuple of strings (file names, ids) needs one string per example; "
             f"got {_describe(batch)}."
         )
     lengths |= examples

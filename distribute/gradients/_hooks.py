@@ -6,31 +6,33 @@ process runs these hooks. Inside a strategy's `run` they act only for optimizers
 holding that strategy's variables (an unrelated optimizer must never meet a
 replica barrier), after refusing the steps that would give wrong numbers:
 
-* plain parameters (a model built outside `strategy.scope()`) with more than one
-  replica in sync: every replica thread would update the one tensor in place
-  while the others read it (wrong weights, or a crash), and workers would
-  drift apart. `InvalidArgumentError`, as tf.distribute's ValueError.
+* plain parameters (`nn.Parameter`s of a model built outside `strategy.scope()`,
+  or variables made outside any scope) with more than one replica in sync: every
+  replica thread would update the one tensor in place while the others read it
+  (wrong weights, or a crash), and workers would drift apart.
+  `InvalidArgumentError`, as tf.distribute's ValueError. Plain tensors that are not
+  parameters (a per-replica perturbation optimized inside `fn`) are the replica's
+  own business and pass.
 * another strategy's variables: they would be stepped with the wrong replica's
   copy and never summed. `MixedStrategyError`, naming both strategies.
-* `torch.amp.GradScaler`: it unscales and checks each replica's own gradient
-  before the sum, so replicas and workers disagree on the scale and on whether
-  to step. `distribute.GradScaler` sums first.
 
-Outside `run`, a step over variables whose gradients were computed inside `run`
-(another replica's copy holds a gradient, or another worker's sum is missing)
-would apply one replica's gradient alone: `ContextError`, asking for the step
-inside `run`. With a strategy of one replica in sync nothing is refused.
+The handler then refuses what only it can judge (the synchronous one refuses
+`torch.amp.GradScaler`, which unscales each replica's own gradient before the
+sum). Outside `run`, a step over a strategy's variables asks that strategy's
+handler whether it would lose gradients made inside `run` (the synchronous one:
+another replica's copy holds a gradient, or another worker's share is missing),
+which raises `ContextError` asking for the step inside `run`. That check costs
+nothing until some strategy of several replicas has made a variable.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 import weakref
 from collections.abc import Iterable
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from torch.nn import Parameter
 from torch.optim.optimizer import (
     Optimizer,
     register_optimizer_step_post_hook,
@@ -38,18 +40,18 @@ from torch.optim.optimizer import (
 )
 
 from distribute import context
-from distribute.errors import ContextError, InvalidArgumentError, MixedStrategyError
+from distribute.errors import InvalidArgumentError, MixedStrategyError
 from distribute.variables import DistributedVariable
 
 if TYPE_CHECKING:
     from distribute.gradients.base import StepHandler
     from distribute.strategies.base import Strategy
 
-__all__ = ["sum_before_step", "forget_early_sums"]
+__all__ = ["forget_early_sums", "sum_before_step"]
 
-# Per optimizer: (ids of its parameters, the strategy, that strategy's variables).
+# Per optimizer: (ids of its parameters, the strategy (weakly), its variables).
 _plans: weakref.WeakKeyDictionary[
-    Optimizer, tuple[tuple[int, ...], Strategy, list[DistributedVariable]]
+    Optimizer, tuple[tuple[int, ...], weakref.ref[Strategy], list[DistributedVariable]]
 ] = weakref.WeakKeyDictionary()
 
 
@@ -62,9 +64,15 @@ class _Early(threading.local):
 _early = _Early()
 
 
-def _handler(strategy: Strategy) -> StepHandler | None:
-    handler: StepHandler | None = getattr(strategy.extended, "_step_handler", None)
-    return handler
+def _running() -> tuple[Strategy, StepHandler, int] | None:
+    """The strategy running a replica in this thread, its handler and the local id."""
+    top = context._top()
+    if top is None or top.replica_context is None:
+        return None
+    handler: StepHandler | None = getattr(top.strategy.extended, "_step_handler", None)
+    if handler is None:
+        return None
+    return top.strategy, handler, top.replica_context.local_replica_id
 
 
 def _variables_of(optimizer: Optimizer, strategy: Strategy) -> list[DistributedVariable]:
@@ -73,14 +81,16 @@ def _variables_of(optimizer: Optimizer, strategy: Strategy) -> list[DistributedV
     params = [p for group in optimizer.param_groups for p in group["params"]]
     key = tuple(map(id, params))
     cached = _plans.get(optimizer)
-    if cached is not None and cached[0] == key and cached[1] is strategy:
+    if cached is not None and cached[0] == key and cached[1]() is strategy:
         return cached[2]
     own: list[DistributedVariable] = []
     foreign: list[DistributedVariable] = []
-    plain = 0
+    shared = 0  # parameters every replica thread would update unsynchronized
     for p in params:
-        if not isinstance(p, DistributedVariable) or not p._ds_strategy.extended._captures_modules:
-            plain += 1  # a default-strategy variable is as good as a plain tensor
+        if not isinstance(p, DistributedVariable):
+            shared += isinstance(p, Parameter)
+        elif not p._ds_strategy.extended._captures_modules:
+            shared += 1  # a variable made outside any scope is one plain tensor
         elif p._ds_strategy is strategy:
             own.append(p)
         else:
@@ -93,56 +103,30 @@ def _variables_of(optimizer: Optimizer, strategy: Strategy) -> list[DistributedV
             f"`with strategy.scope():` of {strategy!r}"
         )
     n = strategy.num_replicas_in_sync
-    if plain and n > 1:
+    if shared and n > 1:
         raise InvalidArgumentError(
-            f"optimizer.step() inside `run` of {strategy!r} got {plain} plain parameters "
+            f"optimizer.step() inside `run` of {strategy!r} got {shared} plain parameters "
             f"(of {len(params)}), but {n} replicas train in sync: each replica would update "
             "the same tensor unsynchronized. Build the model and its optimizer inside "
             "`with strategy.scope():` so that its parameters become MirroredVariables"
         )
-    _plans[optimizer] = (key, strategy, own)
+    _plans[optimizer] = (key, weakref.ref(strategy), own)
     return own
 
 
-def _has_replica_gradients(var: DistributedVariable) -> bool:
-    """Whether ``var`` holds gradients made inside `run` of a strategy of several replicas."""
-    strategy = var._ds_strategy
-    if strategy.num_replicas_in_sync == 1 or not strategy.extended._captures_modules:
-        return False
-    if any(c.grad is not None for c in var._ds_components):
-        return True  # another local replica's gradient, which this step would ignore
-    # Across workers, any gradient is one worker's alone.
-    return strategy.num_replicas_in_sync > 1 + len(var._ds_components) and var.grad is not None
-
-
-def _refuse_partial_step(optimizer: Optimizer) -> None:
+def _check_step_outside_run(optimizer: Optimizer) -> None:
+    """Lets each strategy whose variables the optimizer holds refuse a step outside `run`."""
+    by_strategy: dict[int, list[DistributedVariable]] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if isinstance(p, DistributedVariable) and _has_replica_gradients(p):
-                raise ContextError(
-                    f"optimizer.step() was called in cross-replica context, but its variables "
-                    f"of {p._ds_strategy!r} hold gradients computed inside `run`: this step "
-                    "would apply one replica's gradient alone. Call optimizer.step() inside "
-                    "the function given to strategy.run, after loss.backward()"
-                )
-
-
-def _refuse_torch_grad_scaler() -> None:
-    """Raises when `torch.amp.GradScaler.step` (not `distribute.GradScaler`) is stepping."""
-    frame: FrameType | None = sys._getframe(2)
-    for _ in range(4):
-        if frame is None:
-            return
-        if frame.f_code.co_name == "_maybe_opt_step":
-            scaler = frame.f_locals.get("self")
-            if scaler is not None and not getattr(scaler, "_ds_sums_first", False):
-                raise InvalidArgumentError(
-                    "torch.amp.GradScaler unscales and checks each replica's own gradient "
-                    "before gradients are summed, so replicas disagree on the scale and on "
-                    "whether to step; use distribute.GradScaler (the same API) instead"
-                )
-            return
-        frame = frame.f_back
+            if isinstance(p, DistributedVariable):
+                by_strategy.setdefault(id(p._ds_strategy), []).append(p)
+    for variables in by_strategy.values():
+        handler: StepHandler | None = getattr(
+            variables[0]._ds_strategy.extended, "_step_handler", None
+        )
+        if handler is not None:
+            handler.check_step_outside_run(optimizer, variables)
 
 
 def sum_before_step(optimizer: Optimizer) -> None:
@@ -150,15 +134,13 @@ def sum_before_step(optimizer: Optimizer) -> None:
 
     The optimizer's next step in this replica then does not sum again.
     """
-    top = context._top()
-    if top is None or top.replica_context is None:
+    running = _running()
+    if running is None:
         return
-    handler = _handler(top.strategy)
-    if handler is None:
-        return
-    variables = _variables_of(optimizer, top.strategy)
+    strategy, handler, local = running
+    variables = _variables_of(optimizer, strategy)
     if variables:
-        handler.sum_gradients(optimizer, variables, top.replica_context.local_replica_id)
+        handler.sum_gradients(optimizer, variables, local)
         _early.summed.add(id(optimizer))
 
 
@@ -168,33 +150,29 @@ def forget_early_sums(optimizer_ids: Iterable[int]) -> None:
 
 
 def _pre_step_hook(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-    top = context._top()
-    if top is None or top.replica_context is None:
-        _refuse_partial_step(optimizer)
+    running = _running()
+    if running is None:
+        if DistributedVariable._ds_any_replicated:
+            _check_step_outside_run(optimizer)
         return
-    handler = _handler(top.strategy)
-    if handler is None:
-        return
-    variables = _variables_of(optimizer, top.strategy)
+    strategy, handler, local = running
+    variables = _variables_of(optimizer, strategy)
     if not variables:
         return
     summed = id(optimizer) in _early.summed
     if summed:
         _early.summed.discard(id(optimizer))
-    elif top.strategy.num_replicas_in_sync > 1:
-        _refuse_torch_grad_scaler()
-    handler.before_step(optimizer, variables, top.replica_context.local_replica_id, summed=summed)
+    handler.before_step(optimizer, variables, local, summed=summed)
 
 
 def _post_step_hook(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-    top = context._top()
-    if top is None or top.replica_context is None:
+    running = _running()
+    if running is None:
         return
-    handler = _handler(top.strategy)
+    strategy, handler, local = running
     cached = _plans.get(optimizer)
-    if handler is None or cached is None or cached[1] is not top.strategy or not cached[2]:
-        return
-    handler.after_step(optimizer, cached[2], top.replica_context.local_replica_id)
+    if cached is not None and cached[1]() is strategy and cached[2]:
+        handler.after_step(optimizer, cached[2], local)
 
 
 register_optimizer_step_pre_hook(_pre_step_hook)

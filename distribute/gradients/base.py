@@ -58,6 +58,13 @@ class StepHandler(Protocol):
         """Finishes the update (e.g. waits until a shared copy is written)."""
         ...
 
+    def check_step_outside_run(
+        self, optimizer: Optimizer, variables: Sequence[DistributedVariable]
+    ) -> None:
+        """Raises if `optimizer.step()` outside `run` would give wrong numbers for
+        ``variables`` (this strategy's, among the optimizer's parameters)."""
+        ...
+
     def close(self) -> None:
         """Releases hooks and buffers (the strategy shuts down)."""
         ...

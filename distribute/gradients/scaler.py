@@ -25,15 +25,24 @@ import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from distribute import context
+from distribute.errors import ContextError
 from distribute.gradients._hooks import forget_early_sums, sum_before_step
 
 __all__ = ["GradScaler"]
 
+_PER_REPLICA = (
+    "_scale",
+    "_growth_tracker",
+    "_per_optimizer_states",
+    "_init_scale",
+    "_init_growth_tracker",
+)
 
-def _local_replica_id() -> int:
+
+def _local_replica_id() -> int | None:
     top = context._top()
     if top is None or top.replica_context is None:
-        return 0
+        return None
     return top.replica_context.local_replica_id
 
 
@@ -46,7 +55,10 @@ class _PerReplicaAttribute:
     def __get__(self, scaler: Any, owner: type | None = None) -> Any:
         if scaler is None:
             return self
-        return scaler._ds_slot()[self._name]
+        try:
+            return scaler._ds_slot()[self._name]
+        except KeyError:
+            raise AttributeError(self._name) from None
 
     def __set__(self, scaler: Any, value: Any) -> None:
         scaler._ds_slot()[self._name] = value
@@ -86,11 +98,13 @@ class GradScaler(torch.amp.GradScaler):
     _scale = _PerReplicaAttribute()
     _growth_tracker = _PerReplicaAttribute()
     _per_optimizer_states = _PerReplicaAttribute()
+    _init_scale = _PerReplicaAttribute()
+    _init_growth_tracker = _PerReplicaAttribute()
 
     def _ds_slot(self) -> dict[str, Any]:
         """The running local replica's attributes (replica 0's in cross-replica code)."""
         slots: dict[int, dict[str, Any]] = self.__dict__.setdefault("_ds_slots", {0: {}})
-        replica = _local_replica_id()
+        replica = _local_replica_id() or 0
         slot = slots.get(replica)
         if slot is None:
             lock: threading.Lock = self.__dict__.setdefault("_ds_lock", threading.Lock())
@@ -102,14 +116,35 @@ class GradScaler(torch.amp.GradScaler):
         return slot
 
     def _ds_new_slot(self, first: dict[str, Any]) -> dict[str, Any]:
-        """Another replica's attributes, starting from replica 0's."""
-        scale = first.get("_scale")
-        tracker = first.get("_growth_tracker")
-        return {
-            "_scale": None if scale is None else scale.clone(),
-            "_growth_tracker": None if tracker is None else tracker.clone(),
+        """Another replica's attributes, starting where replica 0's are.
+
+        The scale tensors are made lazily by `scale()` on the replica's own device,
+        from ``_init_scale``: replica 0's current scale when it has one.
+        """
+        slot: dict[str, Any] = {
+            "_scale": None,
+            "_growth_tracker": None,
             "_per_optimizer_states": collections.defaultdict(_refresh_per_optimizer_state),
         }
+        for name, current in (
+            ("_init_scale", "_scale"),
+            ("_init_growth_tracker", "_growth_tracker"),
+        ):
+            if first.get(current) is not None:
+                slot[name] = first[current].item()
+            elif name in first:
+                slot[name] = first[name]
+        return slot
+
+    def _ds_require_replica_context(self, method: str) -> None:
+        """Refuses cross-replica calls that would change replica 0's state alone."""
+        slots = self.__dict__.get("_ds_slots", {})
+        if len(slots) > 1 and _local_replica_id() is None:
+            raise ContextError(
+                f"GradScaler.{method}() was called in cross-replica context after the "
+                f"scaler was used by {len(slots)} replicas: it would change replica 0's "
+                f"state alone. Call {method}() inside the function given to strategy.run"
+            )
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Sums the optimizer's gradients over all replicas, then unscales the sum.
@@ -124,5 +159,31 @@ class GradScaler(torch.amp.GradScaler):
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """See `torch.amp.GradScaler.update`; identical on every replica."""
         if self._enabled:
+            self._ds_require_replica_context("update")
             forget_early_sums(self._per_optimizer_states.keys())
         super().update(new_scale)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """See `torch.amp.GradScaler.load_state_dict`; call it outside `run`.
+
+        Every replica's scale starts from the loaded one.
+        """
+        if _local_replica_id() is not None:
+            raise ContextError(
+                "GradScaler.load_state_dict() was called inside `run`; load it in "
+                "cross-replica code, where it sets every replica's scale"
+            )
+        slots = self.__dict__.get("_ds_slots")
+        if slots is not None:
+            for replica in [r for r in slots if r != 0]:
+                del slots[replica]  # made again from replica 0's loaded state
+        super().load_state_dict(state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state: dict[str, Any] = super().__getstate__()
+        state.pop("_ds_lock", None)
+        slots = state.pop("_ds_slots", {0: {}})
+        state["_ds_slots"] = {
+            0: {**slots[0], **{k: state.pop(k) for k in _PER_REPLICA if k in state}}
+        }
+        return state

@@ -11,15 +11,22 @@ Which `GradientSum`: with one local replica per worker and several workers, the
 bucket reducer, which overlaps the all-reduce with backward
 (NOTE [overlapped gradient sync]); otherwise the in-process sum at the step
 (NOTE [summing at the optimizer step]).
+
+It refuses `torch.amp.GradScaler` with several replicas in sync (it would
+unscale each replica's own gradient before the sum; `distribute.GradScaler`
+sums first), and a step outside `run` over gradients made inside it.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
+from types import FrameType
 from typing import TYPE_CHECKING
 
+from distribute.errors import ContextError, InvalidArgumentError
 from distribute.gradients import _hooks  # noqa: F401  # registers the optimizer step hooks
 from distribute.gradients._bucket_reducer import BucketReducer
 from distribute.gradients._local_sum import LocalSum
@@ -106,6 +113,8 @@ class SynchronousStepHandler:
                 if not isinstance(optimizer.state, PerReplicaState):
                     optimizer.state = PerReplicaState(optimizer.state, ext)
         if not summed:
+            if ext._num_replicas_in_sync() > 1:
+                _refuse_torch_grad_scaler()
             self.sum_gradients(optimizer, variables, local)
         if ext._central and local != 0:
             ext._skip_grads.value = True
@@ -120,9 +129,58 @@ class SynchronousStepHandler:
         # Replicas wait until replica 0 has updated the one shared copy.
         ext._exchange(local, "optimizer step (central storage)", None, lambda _: None)
 
+    def check_step_outside_run(
+        self, optimizer: Optimizer, variables: Sequence[DistributedVariable]
+    ) -> None:
+        """Refuses a step that would apply one replica's gradient alone.
+
+        After `backward()` inside `run`, the other local replicas' copies hold
+        their own gradients, and other workers hold theirs: a step in
+        cross-replica context would sum none of them.
+        """
+        ext = self._ext
+        n = ext._num_replicas_in_sync()
+        if n == 1 or not ext._captures_modules:
+            return
+        multi_worker = ext._num_workers > 1
+        for var in variables:
+            if any(c.grad is not None for c in var._ds_components) or (
+                multi_worker and var.grad is not None
+            ):
+                raise ContextError(
+                    "optimizer.step() was called in cross-replica context, but its variables "
+                    f"of {ext._container_strategy!r} hold gradients computed inside `run`: "
+                    "this step would apply one replica's gradient alone. Call "
+                    "optimizer.step() inside the function given to strategy.run, after "
+                    "loss.backward()"
+                )
+
     def close(self) -> None:
         """Unregisters every bucket reducer's hooks (the strategy shuts down)."""
         with self._lock:
             for _, gradient_sum in list(self._sums.values()):
                 gradient_sum.close()
             self._sums.clear()
+
+
+def _refuse_torch_grad_scaler() -> None:
+    """Raises when `torch.amp.GradScaler.step` (not `distribute.GradScaler`) is stepping.
+
+    It unscales and checks each replica's own gradient before the sum at this
+    step, so replicas and workers would disagree on the scale and on whether to
+    step (one skipping while the others wait for it in the sum).
+    """
+    frame: FrameType | None = sys._getframe(3)  # this, before_step, the hook, step
+    for _ in range(4):
+        if frame is None:
+            return
+        if frame.f_code.co_name == "_maybe_opt_step":
+            scaler = frame.f_locals.get("self")
+            if scaler is not None and not getattr(scaler, "_ds_sums_first", False):
+                raise InvalidArgumentError(
+                    "torch.amp.GradScaler unscales and checks each replica's own gradient "
+                    "before gradients are summed, so replicas disagree on the scale and on "
+                    "whether to step; use distribute.GradScaler (the same API) instead"
+                )
+            return
+        frame = frame.f_back

@@ -73,7 +73,12 @@ def parse_device(device: str | torch.device) -> tuple[str, torch.device]:
 
 
 def device_list(devices: str | torch.device | Sequence[str | torch.device]) -> list[str]:
-    """A strategy's device argument as a list of names: one device alone is one replica."""
+    """A strategy's device argument as a list of torch names: one device alone is one
+    replica (``"cpu:0"`` is not four devices), TF's spellings become torch's.
+
+    Raises:
+        InvalidArgumentError: see `parse_device`.
+    """
     if isinstance(devices, (str, torch.device)):
-        return [str(devices)]
-    return [str(d) for d in devices]
+        devices = [devices]
+    return [parse_device(d)[0] for d in devices]

@@ -149,14 +149,19 @@ class _ThreadState:
     would compute in bfloat16 with one replica and in float32 with several.
     """
 
-    __slots__ = ("autocast", "grad", "inference")
+    __slots__ = ("autocast", "autocast_cache", "grad", "inference")
 
     def __init__(
-        self, grad: bool, inference: bool, autocast: tuple[tuple[str, torch.dtype], ...]
+        self,
+        grad: bool,
+        inference: bool,
+        autocast: tuple[tuple[str, torch.dtype], ...],
+        autocast_cache: bool,
     ) -> None:
         self.grad = grad
         self.inference = inference
         self.autocast = autocast
+        self.autocast_cache = autocast_cache
 
     @classmethod
     def capture(cls) -> _ThreadState:
@@ -165,7 +170,12 @@ class _ThreadState:
             for device in _AUTOCAST_DEVICES
             if torch.is_autocast_enabled(device)
         )
-        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
+        return cls(
+            torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(),
+            autocast,
+            torch.is_autocast_cache_enabled(),
+        )
 
     def entered(self) -> contextlib.AbstractContextManager[Any]:
         """A context manager that sets these modes in the current thread."""
@@ -176,7 +186,9 @@ class _ThreadState:
             stack.enter_context(torch.inference_mode())
         stack.enter_context(torch.set_grad_enabled(self.grad))
         for device, dtype in self.autocast:
-            stack.enter_context(torch.autocast(device, dtype=dtype))
+            stack.enter_context(
+                torch.autocast(device, dtype=dtype, cache_enabled=self.autocast_cache)
+            )
         return stack
 
 

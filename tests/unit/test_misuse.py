@@ -431,3 +431,47 @@ def test_run_from_a_second_thread_while_one_is_running_raises_context_error_nami
     assert not t.is_alive()
     assert "error" not in result, result.get("error")
     assert result.get("out") == "done"
+
+
+# -- what is NOT refused (review: no false positives) ----------------------------------
+
+
+def test_per_replica_optimizer_over_plain_tensors_made_inside_run_is_allowed() -> None:
+    """An adversarial perturbation optimized inside `fn` belongs to its replica alone."""
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = torch.nn.Linear(4, 1)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        delta = torch.zeros_like(x, requires_grad=True)
+        inner = torch.optim.SGD([delta], lr=0.1)
+        model(x + delta).sum().backward()
+        inner.step()
+        return delta.detach()
+
+    x = ds.PerReplica((torch.ones(2, 4), torch.ones(2, 4)))
+    deltas = strategy.experimental_local_results(strategy.run(fn, args=(x,)))
+    assert all(d.abs().sum() > 0 for d in deltas)
+
+
+def test_model_of_another_strategy_can_be_evaluated_without_grad() -> None:
+    a = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    b = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    with a.scope():
+        model = torch.nn.Linear(4, 1)
+
+    def evaluate() -> torch.Tensor:
+        with torch.no_grad():
+            return model(torch.ones(1, 4))
+
+    outs = b.experimental_local_results(b.run(evaluate))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_constant_tuple_in_a_batch_goes_whole_to_every_replica() -> None:
+    """Only lists of strings are per-example; an image size stays a constant."""
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    batches = [{"x": torch.zeros(4, 1), "size": (224, 224)}]
+    (element,) = list(strategy.experimental_distribute_dataset(batches))
+    assert [t.shape[0] for t in element["x"].values] == [2, 2]
+    assert element["size"] == (224, 224)
