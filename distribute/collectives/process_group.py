@@ -95,6 +95,20 @@ _GRACE_SECONDS = 1.0
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
+def _bind_torch_defaults_before_init() -> None:
+    """Imports `torch.distributed.nn.functional` while no default group exists.
+
+    Its functions take ``group=group.WORLD`` as a default argument, evaluated at
+    import, and `torch._dynamo` imports it lazily (the first optimizer does). Imported
+    after `init_process_group`, those defaults pin the default group forever, so
+    `destroy_process_group` cannot free it and gloo's worker threads outlive the
+    interpreter: one that drops a finished collective's tensors during interpreter
+    finalization needs the GIL and aborts the process ("terminate called without an
+    active exception"). Imported now, the defaults are None (the default group).
+    """
+    import torch.distributed.nn.functional  # noqa: F401
+
+
 def _store_host(store: Store) -> str:
     """The host serving ``store`` (a TCPStore, possibly behind PrefixStores)."""
     while isinstance(store, PrefixStore):
@@ -294,6 +308,7 @@ class ProcessGroupCollectives:
                 )
             return cls.adopt(timeout_seconds=timeout_seconds)
         store = rendezvous(rank, world_size, master_addr, master_port, timeout_seconds)
+        _bind_torch_defaults_before_init()
         dist.init_process_group(
             backend,
             store=PrefixStore("pg/", store),
