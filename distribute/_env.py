@@ -7,7 +7,8 @@ pass on to `read_environment`) and never touch `os.environ`; nothing here writes
 Variables read, by launcher:
 
 - torchrun: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
-  `MASTER_PORT`, `GROUP_RANK`.
+  `MASTER_PORT`, `GROUP_RANK`, and its elastic agent's `TORCHELASTIC_RUN_ID`,
+  `TORCHELASTIC_RESTART_COUNT`, `TORCHELASTIC_USE_AGENT_STORE`.
 - TensorFlow-style clusters: `TF_CONFIG` (kept as the raw string; the resolver parses
   the JSON when it needs it).
 - SLURM: `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS` (else `SLURM_NTASKS`),
@@ -52,6 +53,11 @@ class Environment:
         master_addr: torchrun's `MASTER_ADDR`, the rendezvous host.
         master_port: torchrun's `MASTER_PORT`, the rendezvous port.
         group_rank: torchrun's `GROUP_RANK`, the rank of this host (node).
+        elastic_run_id: torchrun's `TORCHELASTIC_RUN_ID`, the job's id.
+        elastic_restart_count: torchrun's `TORCHELASTIC_RESTART_COUNT`, how many times
+            the agent restarted the workers (0 on the first attempt).
+        elastic_agent_store: `TORCHELASTIC_USE_AGENT_STORE` ("True": torchrun's agent
+            serves a store at `MASTER_ADDR:MASTER_PORT` that workers join).
         tf_config: the raw `TF_CONFIG` string (JSON, not parsed here).
         slurm_procid: `SLURM_PROCID`, this task's rank in the job step.
         slurm_num_tasks: `SLURM_STEP_NUM_TASKS`, else `SLURM_NTASKS`.
@@ -77,6 +83,9 @@ class Environment:
     master_addr: str | None = None
     master_port: int | None = None
     group_rank: int | None = None
+    elastic_run_id: str | None = None
+    elastic_restart_count: int | None = None
+    elastic_agent_store: bool | None = None
     tf_config: str | None = None
     slurm_procid: int | None = None
     slurm_num_tasks: int | None = None
@@ -136,6 +145,9 @@ def read_environment(environ: Mapping[str, str] | None = None) -> Environment:
         master_addr=_str(source, "MASTER_ADDR"),
         master_port=master_port,
         group_rank=_int(source, "GROUP_RANK"),
+        elastic_run_id=_str(source, "TORCHELASTIC_RUN_ID"),
+        elastic_restart_count=_int(source, "TORCHELASTIC_RESTART_COUNT"),
+        elastic_agent_store=_bool(source, "TORCHELASTIC_USE_AGENT_STORE"),
         tf_config=source.get("TF_CONFIG"),
         slurm_procid=_int(source, "SLURM_PROCID"),
         slurm_num_tasks=_int(source, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
@@ -160,6 +172,11 @@ def _first(source: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str]
 def _str(source: Mapping[str, str], *names: str) -> str | None:
     found = _first(source, names)
     return None if found is None else found[1]
+
+
+def _bool(source: Mapping[str, str], name: str) -> bool | None:
+    value = _str(source, name)
+    return None if value is None else value.lower() in ("1", "true", "yes")
 
 
 def _int(source: Mapping[str, str], *names: str) -> int | None:

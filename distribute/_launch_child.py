@@ -10,7 +10,7 @@ whose unpickling imports ``fn``'s module from that path. The outcome,
 ``{"ok": True, "value": ...}`` or the exception's type, message and traceback, is
 written to RESULT under a temporary name and renamed, so the parent never reads
 half a file. A daemon thread ends the worker if PARENT_PID dies, so a killed
-parent leaves no orphans.
+parent leaves no orphans, and removes the launch's temporary directory.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pickle
+import shutil
 import sys
 import threading
 import time
@@ -47,17 +48,27 @@ def _import_main(path: str) -> None:
     sys.modules["__main__"] = module
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """Ends this worker once the launching process is gone (reparented)."""
+def _exit_with_parent(parent_pid: int, payload_path: str) -> None:
+    """Ends this worker once the launching process is gone (reparented).
+
+    A parent killed outright (SIGKILL, or SIGTERM's default action) cleans nothing
+    up, so the orphaned workers remove the launch's temporary directory.
+    """
     while os.getppid() == parent_pid:
         time.sleep(_ORPHAN_CHECK_SECONDS)
+    launch_dir = os.path.dirname(os.path.abspath(payload_path))
+    if os.path.basename(launch_dir).startswith("distribute-launch-"):
+        shutil.rmtree(launch_dir, ignore_errors=True)  # every orphan tries; any may win
     os._exit(1)
 
 
 def main(argv: list[str]) -> int:
     payload_path, result_path, parent_pid = argv
     threading.Thread(
-        target=_exit_with_parent, args=(int(parent_pid),), name="orphan-check", daemon=True
+        target=_exit_with_parent,
+        args=(int(parent_pid), payload_path),
+        name="orphan-check",
+        daemon=True,
     ).start()
     try:
         with open(payload_path, "rb") as f:

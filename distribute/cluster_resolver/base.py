@@ -281,6 +281,21 @@ class ClusterResolver(abc.ABC):
         return rendezvous_address(self.cluster_spec())[1]
 
     @property
+    def rendezvous_prefix(self) -> str:
+        """A key prefix for this attempt of the job in the rendezvous store ("" here).
+
+        Launchers that keep one store across restarts (torchrun's agent) need every
+        attempt's keys apart, or restarted workers read the dead attempt's.
+        """
+        return ""
+
+    @property
+    def launcher_serves_rendezvous(self) -> bool:
+        """Whether the launcher already serves the rendezvous store at
+        `master_addr:master_port` (then rank 0 joins it instead of serving one)."""
+        return False
+
+    @property
     def local_rank(self) -> int:
         """This process's rank among the training tasks on its host; 0 when unknown."""
         return local_placement(*self._snapshot())[0]

@@ -87,6 +87,12 @@ class TorchrunClusterResolver(ClusterResolver):
         self._master_addr = master_addr
         self._master_port = master_port
         self._group_rank = env.group_rank
+        self._elastic_agent_store = bool(env.elastic_agent_store)
+        self._elastic_attempt = (
+            None
+            if env.elastic_restart_count is None
+            else (env.elastic_run_id or "none", env.elastic_restart_count)
+        )
 
     def cluster_spec(self) -> ClusterSpec:
         """One `"worker"` task per rank; only worker 0's address is real."""
@@ -139,3 +145,20 @@ class TorchrunClusterResolver(ClusterResolver):
     def group_rank(self) -> int | None:
         """`GROUP_RANK`, the rank of this host among the hosts, or None when unset."""
         return self._group_rank
+
+    @property
+    def rendezvous_prefix(self) -> str:
+        """``torchrun/<run id>/<restart count>/`` under torchrun's elastic agent.
+
+        The agent's store outlives a restart of the workers, so each attempt keys
+        its rendezvous apart (restarted workers never meet the dead attempt's keys).
+        """
+        if self._elastic_attempt is None:
+            return ""
+        run_id, restart = self._elastic_attempt
+        return f"torchrun/{run_id}/{restart}/"
+
+    @property
+    def launcher_serves_rendezvous(self) -> bool:
+        """`TORCHELASTIC_USE_AGENT_STORE`: torchrun's agent serves `MASTER_PORT`."""
+        return self._elastic_agent_store

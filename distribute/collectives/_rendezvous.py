@@ -1,64 +1,303 @@
-"""The rendezvous: a `TCPStore` served by rank 0 that every rank joins.
+"""The rendezvous: the `TCPStore` every rank joins, served by rank 0 or by the launcher.
 
-Each rank marks itself ``joined/<rank>`` and bumps a counter, so a rendezvous that
-times out names the ranks that never came, instead of torch's bare store timeout.
+# NOTE [rendezvous]
+Every wait here ends by one deadline, ``start + max(timeout_seconds,
+min_wait_seconds)`` (a worker's start, importing torch, can take longer than a
+collective timeout suited to the steps; the message prints the bound it used):
+
+* opening the store runs in a helper thread, so a port held by a program that
+  accepts connections and never answers cannot block a rank past the deadline
+  (torch's own connect retries and handshake have no such bound);
+* each rank publishes a description of the cluster it was started with
+  (``cluster/<rank>``) and compares it with every other rank's while it waits:
+  workers started with different cluster specs (two TF_CONFIG worker lists) fail
+  at once, naming the difference, instead of in a raw store timeout;
+* each rank marks itself ``joined/<rank>`` with a counter: a second process
+  claiming the same rank (two tasks with one TF_CONFIG index) is named, on every
+  rank; one that claims rank 0 while another serves it is named too;
+* ranks that never come are named when the deadline passes.
+
+Keys live under ``<prefix><n>``: the prefix separates a launcher's attempts
+(torchrun's agent keeps its store across restarts, and a restarted worker must not
+read the dead attempt's keys), and ``n`` counts this process's rendezvous at that
+address, so the n-th strategy of every rank meets the n-th of the others (several
+strategies in one torchrun process), while a second process claiming a running
+rank meets that rank's keys and is named.
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
+import errno
+import logging
+import socket
+import threading
 import time
+from typing import Any
 
-from torch._C._distributed_c10d import Store, TCPStore
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+from torch.distributed import DistNetworkError
 
-from distribute.errors import CollectiveTimeoutError
+from distribute.errors import CollectiveTimeoutError, InvalidArgumentError
 
-__all__ = ["rendezvous"]
+__all__ = ["MIN_WAIT_SECONDS", "rendezvous"]
+
+logger = logging.getLogger(__name__)
 
 #: The shortest wait for the other ranks to start (importing torch takes seconds).
-_MIN_WAIT_SECONDS = 30.0
+MIN_WAIT_SECONDS = 30.0
+#: How long a rank that could not serve rank 0's store looks for who holds the port.
+_PROBE_SECONDS = 3.0
+_POLL_SECONDS = 0.01
+
+# This process's rendezvous so far, per (address, prefix): see the module docstring.
+_made: collections.Counter[tuple[str, str]] = collections.Counter()
 
 
 def rendezvous(
-    rank: int, world_size: int, master_addr: str, master_port: int, timeout_seconds: float
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    timeout_seconds: float,
+    *,
+    cluster: str = "",
+    prefix: str = "",
+    launcher_serves: bool = False,
+    min_wait_seconds: float = MIN_WAIT_SECONDS,
 ) -> Store:
-    """Creates the TCPStore (served by rank 0) and waits until every rank joined.
+    """Opens the store (rank 0 serves it unless the launcher does) and waits for every rank.
+
+    Args:
+        rank: this process's rank.
+        world_size: the number of ranks.
+        master_addr: the store's host.
+        master_port: the store's port.
+        timeout_seconds: the bound on the whole rendezvous (at least
+            ``min_wait_seconds``).
+        cluster: a description of the cluster this rank was started with; every
+            rank's must be equal.
+        prefix: a key prefix for this attempt of the job.
+        launcher_serves: the launcher serves the store (torchrun's agent): rank 0
+            joins it like the others.
+        min_wait_seconds: the shortest bound, for workers that start slowly.
+
+    Returns:
+        The store, under this rendezvous's own key prefix.
 
     Raises:
-        CollectiveTimeoutError: the store could not be served or reached, or some
-            ranks never joined (they are named).
+        CollectiveTimeoutError: the store could not be opened, or ranks never
+            joined, within the bound (the message says which and why).
+        InvalidArgumentError: ranks were started with different clusters, or two
+            processes claim one rank.
 
     Example::
 
         store = rendezvous(0, 1, "127.0.0.1", 29500, timeout_seconds=60)
     """
-    wait = max(timeout_seconds, _MIN_WAIT_SECONDS)
-    try:
-        store = TCPStore(
-            master_addr,
-            master_port,
-            world_size,
-            is_master=rank == 0,
-            timeout=datetime.timedelta(seconds=wait),
-            wait_for_workers=False,
+    start = time.monotonic()
+    bound = max(timeout_seconds, min_wait_seconds)
+    deadline = start + bound
+    where = f"{master_addr}:{master_port}"
+    serve = rank == 0 and not launcher_serves
+    _made[(where, prefix)] += 1
+    namespace = f"{prefix}{_made[(where, prefix)]}"
+    while True:
+        raw = _open(rank, world_size, master_addr, master_port, serve, deadline, bound, cluster)
+        try:
+            store = PrefixStore(namespace, raw)
+            _join(store, rank, world_size, cluster, where, start, deadline, bound)
+            return store
+        except DistNetworkError as exc:
+            # A rank that finished a previous strategy first can reach rank 0's old
+            # store just before it closes: the connection drops, and the rank joins
+            # again (rank 0's new store is what it reaches next).
+            if serve or time.monotonic() > deadline:
+                raise CollectiveTimeoutError(
+                    f"rank {rank} lost the rendezvous store at {where} after "
+                    f"{time.monotonic() - start:.1f} s: {exc}. Check that rank 0 is alive"
+                ) from exc
+            logger.debug("the rendezvous store at %s went away; joining again", where)
+
+
+def _join(
+    store: Store,
+    rank: int,
+    world_size: int,
+    cluster: str,
+    where: str,
+    start: float,
+    deadline: float,
+    bound: float,
+) -> None:
+    """Publishes this rank and waits until every rank has (see NOTE [rendezvous])."""
+    store.set(f"cluster/{rank}", cluster)
+    if int(store.add(f"joined/{rank}", 1)) > 1:
+        message = (
+            f"two processes claim rank {rank} of the rendezvous at {where}: each task needs "
+            "its own index (check TF_CONFIG's task index, or RANK), and a restarted task "
+            "must wait until the old one is gone"
         )
-    except Exception as exc:
-        where = f"{master_addr}:{master_port}"
-        raise CollectiveTimeoutError(
-            f"rank {rank} could not {'serve' if rank == 0 else 'reach'} the rendezvous at {where}"
-            f" within {wait:.0f} s: {exc}. Check MASTER_ADDR/MASTER_PORT (or TF_CONFIG), that "
-            "the port is free on rank 0's host, and that rank 0 started."
-        ) from exc
-    store.set(f"joined/{rank}", "1")
+        store.set("duplicate", message)
+        raise InvalidArgumentError(message)
     store.add("joined", 1)
-    deadline = time.monotonic() + wait
-    while int(store.add("joined", 0)) < world_size:
+    compared: set[int] = {rank}
+    while True:
+        _check_cluster(store, rank, world_size, cluster, compared)
+        if store.check(["duplicate"]):
+            raise InvalidArgumentError(store.get("duplicate").decode())
+        if int(store.add("joined", 0)) >= world_size:
+            _check_cluster(store, rank, world_size, cluster, compared)
+            return
         if time.monotonic() > deadline:
             absent = [r for r in range(world_size) if not store.check([f"joined/{r}"])]
             raise CollectiveTimeoutError(
-                f"rendezvous at {master_addr}:{master_port} timed out after {wait:.0f} s: ranks "
-                f"{absent} of {world_size} never joined. Start every worker with the same "
-                "cluster (WORLD_SIZE, or TF_CONFIG's worker list)."
+                f"rendezvous at {where} timed out after {time.monotonic() - start:.1f} s (the "
+                f"bound: {bound:.0f} s): ranks {absent} of {world_size} never joined. Start "
+                "every worker with the same cluster (WORLD_SIZE, or TF_CONFIG's worker list), "
+                "or raise CommunicationOptions.timeout_seconds if they start slowly"
             )
-        time.sleep(0.01)
-    return store
+        time.sleep(_POLL_SECONDS)
+
+
+def _check_cluster(
+    store: Store, rank: int, world_size: int, cluster: str, compared: set[int]
+) -> None:
+    """Compares this rank's cluster with each rank's that has published one."""
+    for other in range(world_size):
+        if other in compared or not store.check([f"cluster/{other}"]):
+            continue
+        compared.add(other)
+        theirs = store.get(f"cluster/{other}").decode()
+        if theirs != cluster:
+            raise InvalidArgumentError(
+                f"rank {rank} and rank {other} were started with different clusters: rank "
+                f"{rank} has {_short(cluster)} but rank {other} has {_short(theirs)}. Give "
+                "every task the same cluster spec (the same TF_CONFIG cluster, WORLD_SIZE "
+                "and MASTER_ADDR:MASTER_PORT)"
+            )
+
+
+def _short(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _open(
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    serve: bool,
+    deadline: float,
+    bound: float,
+    cluster: str,
+) -> TCPStore:
+    """Serves or joins the store by the deadline, explaining a failure."""
+    where = f"{host}:{port}"
+    start = time.monotonic()
+    try:
+        return _open_bounded(host, port, world_size, serve, deadline)
+    except TimeoutError:
+        if not serve and not _accepts(host, port):
+            raise CollectiveTimeoutError(
+                f"rank {rank} could not reach the rendezvous at {where} (gave up after "
+                f"{time.monotonic() - start:.1f} s of a {bound:.0f} s bound): nothing "
+                "listens there. Check that rank 0 started and that MASTER_ADDR/MASTER_PORT "
+                "(or TF_CONFIG) name rank 0's host and port."
+            ) from None
+        raise CollectiveTimeoutError(
+            f"rank {rank} reached {where} but no rendezvous store answered there within "
+            f"{bound:.0f} s: another program holds that port, or it is not rank 0's "
+            "address. Check MASTER_ADDR/MASTER_PORT (or TF_CONFIG's first worker)"
+        ) from None
+    except Exception as exc:
+        elapsed = time.monotonic() - start
+        if serve and _address_in_use(exc):
+            raise _port_taken(rank, host, port, world_size, cluster, exc) from exc
+        action = "serve" if serve else "reach"
+        raise CollectiveTimeoutError(
+            f"rank {rank} could not {action} the rendezvous at {where} (gave up after "
+            f"{elapsed:.1f} s of a {bound:.0f} s bound): {exc}. "
+            + (
+                "Check that the port is free on this host."
+                if serve
+                else "Check that rank 0 started and that MASTER_ADDR/MASTER_PORT (or "
+                "TF_CONFIG) name rank 0's host and port."
+            )
+        ) from exc
+
+
+def _open_bounded(host: str, port: int, world_size: int, serve: bool, deadline: float) -> TCPStore:
+    """`TCPStore(...)` in a helper thread; `TimeoutError` if it has not returned by the
+    deadline (the thread is left blocked: a daemon, it ends with the process)."""
+    remaining = max(deadline - time.monotonic(), 0.001)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["store"] = TCPStore(
+                host,
+                port,
+                world_size,
+                is_master=serve,
+                timeout=datetime.timedelta(seconds=remaining),
+                wait_for_workers=False,
+            )
+        except BaseException as exc:  # delivered to the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="distribute-rendezvous-open", daemon=True)
+    thread.start()
+    thread.join(remaining + 1.0)
+    if "store" in box:
+        store: TCPStore = box["store"]
+        return store
+    if "error" in box:
+        raise box["error"]
+    raise TimeoutError
+
+
+def _accepts(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections at host:port (within half a second)."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _address_in_use(exc: BaseException) -> bool:
+    text = str(exc)
+    return (
+        "EADDRINUSE" in text
+        or "address already in use" in text.lower()
+        or (isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE)
+    )
+
+
+def _port_taken(
+    rank: int, host: str, port: int, world_size: int, cluster: str, exc: BaseException
+) -> Exception:
+    """Why rank 0 could not serve: another process of this cluster serves it (a
+    duplicated task), or another program holds the port."""
+    where = f"{host}:{port}"
+    try:
+        other = _open_bounded(host, port, world_size, False, time.monotonic() + _PROBE_SECONDS)
+        spaces = [PrefixStore(f"{n}", other) for n in range(1, 4)]  # their first strategies
+        theirs = next(
+            (ns.get("cluster/0").decode() for ns in spaces if ns.check(["cluster/0"])), None
+        )
+    except Exception:
+        theirs = None
+    if theirs is not None and theirs == cluster:
+        return InvalidArgumentError(
+            f"rank {rank} cannot serve the rendezvous at {where}: another process of this "
+            "cluster already serves it, so two tasks claim rank 0 (check TF_CONFIG's task "
+            "index, or RANK), or an earlier run of this job is still alive"
+        )
+    return CollectiveTimeoutError(
+        f"rank {rank} could not serve the rendezvous at {where}: the port is already in use "
+        f"by another program ({exc}); pick a free port for MASTER_PORT (or TF_CONFIG's first "
+        "worker address)"
+    )

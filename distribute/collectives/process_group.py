@@ -55,6 +55,7 @@ Example::
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import hashlib
 import itertools
@@ -182,20 +183,37 @@ class AllReduceHandle:
 
 
 def _close(
-    liveness: Liveness | None, owns_group: bool, group: dist.ProcessGroup | None, state: list[Any]
+    liveness: Liveness | None,
+    owns_group: bool,
+    group: dist.ProcessGroup | None,
+    state: list[Any],
+    launched: list[Any],
 ) -> None:
     """Stops the watcher and destroys the group (the finalizer of a collectives object)."""
     if liveness is not None:
         liveness.stop()
+    abandoned = not all(work.is_completed() for work in launched)
+    launched.clear()  # a work holds the group, and the group the store's server port
     if owns_group and dist.is_initialized():
-        if state[0] is not None:
-            # A collective was abandoned mid-flight: destroying the group would wait for it.
-            logger.debug("not destroying a broken process group: %s", state[0])
+        if state[0] is not None or abandoned:
+            # A collective was abandoned mid-flight (a peer failed, or Ctrl-C in a
+            # wait): destroying the group, or freeing it as the interpreter ends,
+            # would wait for that collective (gloo's destructor drains its queue),
+            # up to its timeout. The group is kept until the process is gone.
+            logger.debug("keeping a process group with abandoned work: %s", state[0])
+            _keep_until_exit(group if group is not None else dist.group.WORLD)
             return
         try:
             dist.destroy_process_group(group)
         except Exception:  # interpreter shutdown, or the group already broke
             logger.debug("destroy_process_group failed", exc_info=True)
+
+
+def _keep_until_exit(group: Any) -> None:
+    """Takes a reference to ``group`` that is never released, not even when the
+    interpreter clears modules at exit: its destructor must never run."""
+    if group is not None:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 class ProcessGroupCollectives:
@@ -264,8 +282,10 @@ class ProcessGroupCollectives:
             self._liveness.start()
         self._state = self._liveness.state if self._liveness is not None else WatchState()
         self._int_buffer = self._on_device(torch.zeros(1, dtype=torch.int64))
+        # Asynchronous works launched and maybe not waited for (see `_close`).
+        self._launched: list[Any] = []
         self._finalizer = weakref.finalize(
-            self, _close, self._liveness, owns_group, group, self._broken
+            self, _close, self._liveness, owns_group, group, self._broken, self._launched
         )
 
     @classmethod
@@ -278,9 +298,16 @@ class ProcessGroupCollectives:
         *,
         backend: str = "gloo",
         timeout_seconds: float = 300.0,
+        cluster: str = "",
+        prefix: str = "",
+        launcher_serves: bool = False,
     ) -> ProcessGroupCollectives:
         """Joins (rank 0: serves) the rendezvous at ``master_addr:master_port`` and
         creates the default process group.
+
+        ``cluster``, ``prefix`` and ``launcher_serves`` go to the rendezvous (see
+        NOTE [rendezvous]): what every rank must agree on, this attempt's key
+        prefix, and whether the launcher serves the store.
 
         Adopts the default group instead when `torch.distributed` is already
         initialised with the same rank and world size.
@@ -307,7 +334,16 @@ class ProcessGroupCollectives:
                     "destroy the existing group or pass a matching cluster resolver."
                 )
             return cls.adopt(timeout_seconds=timeout_seconds)
-        store = rendezvous(rank, world_size, master_addr, master_port, timeout_seconds)
+        store = rendezvous(
+            rank,
+            world_size,
+            master_addr,
+            master_port,
+            timeout_seconds,
+            cluster=cluster,
+            prefix=prefix,
+            launcher_serves=launcher_serves,
+        )
         _bind_torch_defaults_before_init()
         dist.init_process_group(
             backend,
@@ -405,6 +441,21 @@ class ProcessGroupCollectives:
         """Waits for ``work`` in slices; raises a diagnosed error on failure."""
         state = self._state
         state.waiting = position
+        try:
+            self._wait_until_done(work, position, start)
+        except (KeyboardInterrupt, SystemExit) as exc:
+            # Ctrl-C (or an exit) while a peer has not arrived: the group is left
+            # broken, so that the process can exit now instead of waiting for the
+            # collective in `destroy_process_group`; the peers name it as gone.
+            if not work.is_completed():
+                self._broken[0] = CollectiveTimeoutError(
+                    f"{position[1]} was abandoned on rank {self._rank} ({type(exc).__name__})"
+                )
+            state.waiting = None
+            raise
+
+    def _wait_until_done(self, work: Any, position: Position, start: float) -> None:
+        state = self._state
         if not self._sliced:
             try:
                 work.wait()
@@ -627,6 +678,8 @@ class ProcessGroupCollectives:
             self._finished(position)
             return AllReduceHandle(self, None, flat.clone(), templates, op, position, start)
         work = dist.all_reduce(flat, group=self._group, async_op=True)
+        self._launched[:] = [w for w in self._launched if not w.is_completed()]
+        self._launched.append(work)
         return AllReduceHandle(self, work, flat, templates, op, position, start)
 
     def all_gather(self, tensor: torch.Tensor, axis: int, *, name: str) -> torch.Tensor:

@@ -33,6 +33,7 @@ import collections
 import functools
 import itertools
 import logging
+import pickle
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -91,12 +92,18 @@ class InputWorkers:
       sum_across_workers: sums an int over all workers; the end-of-data
         agreement calls it once per step (an all-reduce across processes,
         the identity in one process).
+      gather_across_workers: every worker's bytes, in worker order (an
+        all-gather across processes); used only when a worker without any data
+        needs the others' element structure.
     """
 
     devices: tuple[torch.device, ...]
     worker_index: int = 0
     num_workers: int = 1
     sum_across_workers: Callable[[int], int] = field(default=_identity, compare=False)
+    gather_across_workers: Callable[[bytes], list[bytes]] = field(
+        default=lambda data: [data], compare=False
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(torch.device(d) for d in self.devices))
@@ -192,6 +199,9 @@ class OptionalValue:
 # per-step path runs between two DataLoader batches, with cold caches.
 
 _MISSING = object()  # a replica with no data this step
+#: The end-of-data sum counts the workers that need an empty batch's structure in
+#: multiples of this (the replicas with data stay below it).
+_NEED_TEMPLATE = 1 << 20
 _Tensor = torch.Tensor  # a module global: checked per leaf per step, one lookup fewer
 
 _split_sizes = functools.lru_cache(maxsize=64)(sharding.split_sizes)  # read-only lists
@@ -749,10 +759,38 @@ def _loader_source(
         seeded = _SeededRandomSampler(sampler, _agree_seed(workers, seed % (1 << 62)))
         batch_sampler = BatchSampler(seeded, batch_sampler.batch_size, batch_sampler.drop_last)
     if multi and policy is not AutoShardPolicy.OFF:
+        _warn_if_lengths_differ(dataset, workers)
         wrapped = _WorkerBatchSampler(batch_sampler, workers)
         rebuilt = _rebuild_loader(loader, batch_sampler=wrapped)
         return _Source(rebuilt, slice_global=False, epoch_targets=[wrapped])
     return _Source(loader, slice_global=False, epoch_targets=[batch_sampler, loader.sampler])
+
+
+def _warn_if_lengths_differ(dataset: Any, workers: InputWorkers) -> None:
+    """Warns when the workers' datasets differ in length (every worker whose length is
+    not the workers' mean sees it: one sum at construction).
+
+    DATA sharding gives each worker its own block of every global batch, assuming
+    every worker holds the same dataset; with different datasets each worker reads
+    only its block of its own, and the rest of its data is never seen.
+    """
+    try:
+        n = len(dataset)
+    except TypeError:
+        return
+    total = workers.sum_across_workers(n)  # one sum: a worker not at the mean sees it
+    w = workers.num_workers
+    if total != n * w:
+        skipped = 100.0 * (w - 1) / w
+        warnings.warn(
+            f"experimental_distribute_dataset: the workers' datasets differ in length (this "
+            f"worker's has {n} examples, the {w} workers' {total} together). DATA sharding "
+            "gives each worker its own block of every global batch of its own dataset, so "
+            f"about {skipped:.0f}% of each worker's data is never read. Give every worker "
+            "the same dataset (each reads only its share), or build per-worker data with "
+            "strategy.distribute_datasets_from_function, which reads every element once",
+            stacklevel=4,
+        )
 
 
 def _make_source(dataset: Any, workers: InputWorkers, policy: AutoShardPolicy) -> _Source:
@@ -907,17 +945,39 @@ class DistributedIterator:
             self._template = _template_of(self._template_fn())
         return self._template
 
+    def _has_template(self) -> bool:
+        """Whether this worker knows (or can read) what an empty batch looks like."""
+        try:
+            self._empty_template()
+        except InvalidArgumentError:  # no data here to infer it from
+            return False
+        return True
+
+    def _exchange_template(self) -> None:
+        """Every worker shares its empty batch; one that has none takes another's."""
+        mine = pickle.dumps(self._template) if self._template is not None else b""
+        theirs = self._workers.gather_across_workers(mine)
+        if self._template is None:
+            self._template = pickle.loads(next(t for t in theirs if t))  # from this job's workers
+
     def _prepare(self) -> _Step | None:
         if self._done:
             return None
         step = self._read()
-        local = self._workers.local_replicas
+        workers = self._workers
+        local = workers.local_replicas
         have = 0 if step is None else local - len(step.missing)
-        if self._workers.sum_across_workers(have) == 0:
-            self._done = True
-            return None
         if self._template is None and step is not None and have:
             self._template = step.template()
+        # A worker with no data at all (an empty shard) cannot know what an empty
+        # batch looks like: it asks, in the same all-reduce as the end-of-data count.
+        need = int((step is None or bool(step.missing)) and not self._has_template())
+        total = workers.sum_across_workers(have + need * _NEED_TEMPLATE)
+        if total % _NEED_TEMPLATE == 0:
+            self._done = True
+            return None
+        if total >= _NEED_TEMPLATE:
+            self._exchange_template()
         if step is None or step.missing:
             structure, empty = self._empty_template()
             if step is None:

@@ -730,6 +730,11 @@ class ReplicatedExtended(StrategyExtended):
             worker_index=self._worker_index,
             num_workers=self._num_workers,
             sum_across_workers=sum_across,
+            gather_across_workers=(
+                functools.partial(_gather_bytes, cross)
+                if cross is not None
+                else (lambda data: [data])
+            ),
         )
 
     def _distribute_dataset(self, dataset: Any, options: InputOptions | None) -> Any:
@@ -767,6 +772,15 @@ class ReplicatedExtended(StrategyExtended):
             yield
         finally:
             self._no_sync_depth -= 1
+
+
+def _gather_bytes(cross: CrossWorker, data: bytes) -> list[bytes]:
+    """Every worker's ``data``, in worker order (two all-gathers: sizes, then bytes)."""
+    sizes = cross.all_gather(torch.tensor([len(data)]), 0, name="input sizes").tolist()
+    mine = torch.tensor(list(data), dtype=torch.uint8)
+    flat = bytes(cross.all_gather(mine, 0, name="input structure").tolist())
+    offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return [flat[offsets[i] : offsets[i + 1]] for i in range(len(sizes))]
 
 
 def _shutdown_threads(holder: list[ReplicaThreads]) -> None:

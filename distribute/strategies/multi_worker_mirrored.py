@@ -13,6 +13,7 @@ or with one ``TF_CONFIG`` per process, or under SLURM (``srun``).
 
 from __future__ import annotations
 
+import json
 import logging
 import weakref
 from collections.abc import Sequence
@@ -43,6 +44,12 @@ def _default_devices(resolver: ClusterResolver | None) -> list[str]:
         local_rank = resolver.local_rank if resolver is not None else 0
         return [f"cuda:{local_rank % torch.cuda.device_count()}"]
     return ["cpu"]
+
+
+def _describe_cluster(resolver: ClusterResolver, world_size: int) -> str:
+    """What every worker must agree on: the training world and the cluster spec."""
+    spec = {str(job): tasks for job, tasks in resolver.cluster_spec().as_dict().items()}
+    return json.dumps({"world_size": world_size, "cluster": spec}, sort_keys=True, default=str)
 
 
 def _backend(implementation: CommunicationImplementation, devices: Sequence[torch.device]) -> str:
@@ -115,6 +122,9 @@ class MultiWorkerMirroredStrategy(Strategy):
                 resolver.master_port,
                 backend=backend,
                 timeout_seconds=extended._timeout,
+                cluster=_describe_cluster(resolver, world_size),
+                prefix=resolver.rendezvous_prefix,
+                launcher_serves=resolver.launcher_serves_rendezvous,
             )
             extended._set_workers(resolver.rank, world_size, self._collectives)
             weakref.finalize(self, self._collectives.shutdown)

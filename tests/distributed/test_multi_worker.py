@@ -517,6 +517,7 @@ def test_example_runs_under_torchrun() -> None:
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "failed to bind" not in proc.stderr, proc.stderr[-3000:]  # joins torchrun's store
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, proc.stdout  # only the chief prints
     assert lines[0]["replicas_in_sync"] == 2

@@ -779,3 +779,18 @@ def test_resolve_cluster_raises_on_malformed_tf_config() -> None:
 def test_resolve_cluster_raises_on_incomplete_torchrun_variables() -> None:
     with pytest.raises(InvalidArgumentError, match="MASTER_ADDR"):
         resolve_cluster({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1"})
+
+
+def test_torchrun_elastic_attempt_keys_the_rendezvous_and_joins_the_agent_store() -> None:
+    base = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    elastic = {
+        **base,
+        "TORCHELASTIC_RUN_ID": "job7",
+        "TORCHELASTIC_RESTART_COUNT": "2",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+    resolver = TorchrunClusterResolver(environ=elastic)
+    assert resolver.rendezvous_prefix == "torchrun/job7/2/"
+    assert resolver.launcher_serves_rendezvous
+    plain = TorchrunClusterResolver(environ=base)
+    assert plain.rendezvous_prefix == "" and not plain.launcher_serves_rendezvous
