@@ -21,6 +21,7 @@ __all__ = [
     "DistributeError",
     "InvalidArgumentError",
     "MixedStrategyError",
+    "RendezvousError",
     "ReplicaAbortedError",
     "WorkerError",
 ]
@@ -48,6 +49,10 @@ class CollectiveTimeoutError(DistributeError, TimeoutError):
 
 class CollectiveMismatchError(DistributeError, ValueError):
     """Participants of a collective passed values of different shape, dtype or structure."""
+
+
+class RendezvousError(DistributeError, ConnectionError):
+    """The rendezvous store cannot be served (its port is taken) or was lost."""
 
 
 class ReplicaAbortedError(DistributeError, RuntimeError):

@@ -9,18 +9,21 @@ collective timeout suited to the steps; the message prints the bound it used):
   accepts connections and never answers cannot block a rank past the deadline
   (torch's own connect retries and handshake have no such bound);
 * each rank publishes a description of the cluster it was started with
-  (``cluster/<rank>``) and compares it with every other rank's while it waits:
-  workers started with different cluster specs (two TF_CONFIG worker lists) fail
-  at once, naming the difference, instead of in a raw store timeout;
-* each rank marks itself ``joined/<rank>`` with a counter: a second process
-  claiming the same rank (two tasks with one TF_CONFIG index) is named, on every
-  rank; one that claims rank 0 while another serves it is named too;
+  (``cluster/<rank>``), and every other rank compares its own with rank 0's while
+  it waits: workers started with different cluster specs (two TF_CONFIG worker
+  lists) fail at once, naming the difference, instead of in a raw store timeout;
+* each rank claims ``owner/<rank>`` with its process's id: a second process
+  claiming the same rank (two tasks with one TF_CONFIG index) is named, while the
+  same process joining again after a dropped connection is not; one that claims
+  rank 0 while another serves it is named too;
+* a problem found by one rank is posted under ``error`` for all to raise;
 * ranks that never come are named when the deadline passes.
 
 Keys live under ``<prefix><n>``: the prefix separates a launcher's attempts
 (torchrun's agent keeps its store across restarts, and a restarted worker must not
-read the dead attempt's keys), and ``n`` counts this process's rendezvous at that
-address, so the n-th strategy of every rank meets the n-th of the others (several
+read the dead attempt's keys), and ``n`` counts this process's completed
+rendezvous at that address (a failed attempt does not count, so a retry meets the
+others), so the n-th strategy of every rank meets the n-th of the others (several
 strategies in one torchrun process), while a second process claiming a running
 rank meets that rank's keys and is named.
 """
@@ -34,12 +37,13 @@ import logging
 import socket
 import threading
 import time
-from typing import Any
+import uuid
+from typing import Any, NoReturn
 
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from torch.distributed import DistNetworkError
 
-from distribute.errors import CollectiveTimeoutError, InvalidArgumentError
+from distribute.errors import CollectiveTimeoutError, InvalidArgumentError, RendezvousError
 
 __all__ = ["MIN_WAIT_SECONDS", "rendezvous"]
 
@@ -50,8 +54,11 @@ MIN_WAIT_SECONDS = 30.0
 #: How long a rank that could not serve rank 0's store looks for who holds the port.
 _PROBE_SECONDS = 3.0
 _POLL_SECONDS = 0.01
+_MAX_POLL_SECONDS = 0.25
+#: Tells this process's claims on a rank from another process's.
+_PROCESS_ID = uuid.uuid4().hex
 
-# This process's rendezvous so far, per (address, prefix): see the module docstring.
+# This process's completed rendezvous, per (address, prefix): see the module docstring.
 _made: collections.Counter[tuple[str, str]] = collections.Counter()
 
 
@@ -101,24 +108,28 @@ def rendezvous(
     deadline = start + bound
     where = f"{master_addr}:{master_port}"
     serve = rank == 0 and not launcher_serves
-    _made[(where, prefix)] += 1
-    namespace = f"{prefix}{_made[(where, prefix)]}"
+    namespace = f"{prefix}{_made[(where, prefix)] + 1}"
     while True:
         raw = _open(rank, world_size, master_addr, master_port, serve, deadline, bound, cluster)
         try:
             store = PrefixStore(namespace, raw)
             _join(store, rank, world_size, cluster, where, start, deadline, bound)
-            return store
+            break
         except DistNetworkError as exc:
             # A rank that finished a previous strategy first can reach rank 0's old
             # store just before it closes: the connection drops, and the rank joins
             # again (rank 0's new store is what it reaches next).
             if serve or time.monotonic() > deadline:
-                raise CollectiveTimeoutError(
+                raise RendezvousError(
                     f"rank {rank} lost the rendezvous store at {where} after "
                     f"{time.monotonic() - start:.1f} s: {exc}. Check that rank 0 is alive"
                 ) from exc
             logger.debug("the rendezvous store at %s went away; joining again", where)
+    _made[(where, prefix)] += 1  # only a rendezvous that happened counts
+    # The store was opened with what was left of the bound; later waits on it (gloo's
+    # connection set-up, the failure diagnosis) get the whole bound again.
+    raw.set_timeout(datetime.timedelta(seconds=bound))
+    return store
 
 
 def _join(
@@ -131,24 +142,41 @@ def _join(
     deadline: float,
     bound: float,
 ) -> None:
-    """Publishes this rank and waits until every rank has (see NOTE [rendezvous])."""
+    """Publishes this rank and waits until every rank has (see NOTE [rendezvous]).
+
+    Polls back off from 10 ms to a quarter second, and each costs two or three
+    store requests whatever the world size, so a large cluster does not flood
+    rank 0's store.
+    """
     store.set(f"cluster/{rank}", cluster)
-    if int(store.add(f"joined/{rank}", 1)) > 1:
-        message = (
+    owner = store.compare_set(f"owner/{rank}", "", _PROCESS_ID).decode()
+    if owner != _PROCESS_ID:
+        _post(
+            store,
             f"two processes claim rank {rank} of the rendezvous at {where}: each task needs "
             "its own index (check TF_CONFIG's task index, or RANK), and a restarted task "
-            "must wait until the old one is gone"
+            "must wait until the old one is gone",
         )
-        store.set("duplicate", message)
-        raise InvalidArgumentError(message)
-    store.add("joined", 1)
-    compared: set[int] = {rank}
+    if not store.check([f"joined/{rank}"]):
+        store.set(f"joined/{rank}", "1")
+        store.add("joined", 1)
+    compared = rank == 0
+    poll = _POLL_SECONDS
     while True:
-        _check_cluster(store, rank, world_size, cluster, compared)
-        if store.check(["duplicate"]):
-            raise InvalidArgumentError(store.get("duplicate").decode())
-        if int(store.add("joined", 0)) >= world_size:
-            _check_cluster(store, rank, world_size, cluster, compared)
+        if store.check(["error"]):
+            raise InvalidArgumentError(store.get("error").decode())
+        if not compared and store.check(["cluster/0"]):
+            compared = True
+            theirs = store.get("cluster/0").decode()
+            if theirs != cluster:
+                _post(
+                    store,
+                    f"rank {rank} and rank 0 were started with different clusters: rank {rank} "
+                    f"has {_short(cluster)} but rank 0 has {_short(theirs)}. Give every task "
+                    "the same cluster spec (the same TF_CONFIG cluster, WORLD_SIZE and "
+                    "MASTER_ADDR:MASTER_PORT)",
+                )
+        if compared and int(store.add("joined", 0)) >= world_size:
             return
         if time.monotonic() > deadline:
             absent = [r for r in range(world_size) if not store.check([f"joined/{r}"])]
@@ -158,25 +186,14 @@ def _join(
                 "every worker with the same cluster (WORLD_SIZE, or TF_CONFIG's worker list), "
                 "or raise CommunicationOptions.timeout_seconds if they start slowly"
             )
-        time.sleep(_POLL_SECONDS)
+        time.sleep(poll)
+        poll = min(poll * 1.5, _MAX_POLL_SECONDS)
 
 
-def _check_cluster(
-    store: Store, rank: int, world_size: int, cluster: str, compared: set[int]
-) -> None:
-    """Compares this rank's cluster with each rank's that has published one."""
-    for other in range(world_size):
-        if other in compared or not store.check([f"cluster/{other}"]):
-            continue
-        compared.add(other)
-        theirs = store.get(f"cluster/{other}").decode()
-        if theirs != cluster:
-            raise InvalidArgumentError(
-                f"rank {rank} and rank {other} were started with different clusters: rank "
-                f"{rank} has {_short(cluster)} but rank {other} has {_short(theirs)}. Give "
-                "every task the same cluster spec (the same TF_CONFIG cluster, WORLD_SIZE "
-                "and MASTER_ADDR:MASTER_PORT)"
-            )
+def _post(store: Store, message: str) -> NoReturn:
+    """Raises ``message`` here and posts it for every other rank of the rendezvous."""
+    store.set("error", message)
+    raise InvalidArgumentError(message)
 
 
 def _short(text: str, limit: int = 300) -> str:
@@ -284,7 +301,7 @@ def _port_taken(
     where = f"{host}:{port}"
     try:
         other = _open_bounded(host, port, world_size, False, time.monotonic() + _PROBE_SECONDS)
-        spaces = [PrefixStore(f"{n}", other) for n in range(1, 4)]  # their first strategies
+        spaces = [PrefixStore(f"{n}", other) for n in range(1, 17)]  # their first strategies
         theirs = next(
             (ns.get("cluster/0").decode() for ns in spaces if ns.check(["cluster/0"])), None
         )
@@ -296,7 +313,7 @@ def _port_taken(
             "cluster already serves it, so two tasks claim rank 0 (check TF_CONFIG's task "
             "index, or RANK), or an earlier run of this job is still alive"
         )
-    return CollectiveTimeoutError(
+    return RendezvousError(
         f"rank {rank} could not serve the rendezvous at {where}: the port is already in use "
         f"by another program ({exc}); pick a free port for MASTER_PORT (or TF_CONFIG's first "
         "worker address)"

@@ -209,11 +209,17 @@ def _close(
             logger.debug("destroy_process_group failed", exc_info=True)
 
 
+# Groups left with an abandoned collective (by id: they are never freed, so an id is
+# never reused). Such a group cannot be adopted again.
+_ABANDONED: set[int] = set()
+
+
 def _keep_until_exit(group: Any) -> None:
     """Takes a reference to ``group`` that is never released, not even when the
     interpreter clears modules at exit: its destructor must never run."""
     if group is not None:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+        _ABANDONED.add(id(group))
 
 
 class ProcessGroupCollectives:
@@ -327,6 +333,12 @@ class ProcessGroupCollectives:
                 "cluster resolver's RANK and WORLD_SIZE."
             )
         if dist.is_available() and dist.is_initialized():
+            if id(dist.group.WORLD) in _ABANDONED:
+                raise CollectiveTimeoutError(
+                    "torch.distributed's default process group broke in an earlier "
+                    "collective of this process (a peer failed, or it was interrupted), and "
+                    "it cannot be used again; restart every worker"
+                )
             if dist.get_rank() != rank or dist.get_world_size() != world_size:
                 raise InvalidArgumentError(
                     f"torch.distributed is already initialised as rank {dist.get_rank()} of "

@@ -777,10 +777,10 @@ def _warn_if_lengths_differ(dataset: Any, workers: InputWorkers) -> None:
     try:
         n = len(dataset)
     except TypeError:
-        return
-    total = workers.sum_across_workers(n)  # one sum: a worker not at the mean sees it
+        n = -1  # unknown here: still in the sum, which every worker must make
+    total = workers.sum_across_workers(max(n, 0))  # one sum: a worker off the mean sees it
     w = workers.num_workers
-    if total != n * w:
+    if n >= 0 and total != n * w:
         skipped = 100.0 * (w - 1) / w
         warnings.warn(
             f"experimental_distribute_dataset: the workers' datasets differ in length (this "
@@ -955,10 +955,14 @@ class DistributedIterator:
 
     def _exchange_template(self) -> None:
         """Every worker shares its empty batch; one that has none takes another's."""
-        mine = pickle.dumps(self._template) if self._template is not None else b""
+        try:
+            mine = pickle.dumps(self._template) if self._template is not None else b""
+        except Exception:  # cannot be shared; the others still need this worker's call
+            mine = b""
         theirs = self._workers.gather_across_workers(mine)
         if self._template is None:
-            self._template = pickle.loads(next(t for t in theirs if t))  # from this job's workers
+            # Bytes from this job's own workers: as trusted as the process group itself.
+            self._template = pickle.loads(next(t for t in theirs if t))
 
     def _prepare(self) -> _Step | None:
         if self._done:

@@ -46,7 +46,7 @@ def test_rank_0_that_never_starts_is_reported_within_the_bound() -> None:
     with pytest.raises(CollectiveTimeoutError, match=r"could not reach .* bound") as info:
         rendezvous(1, 2, "127.0.0.1", port, timeout_seconds=2.0, min_wait_seconds=2.0)
     elapsed = time.monotonic() - start
-    assert elapsed < 2.0 + 2.0, elapsed
+    assert elapsed < 2.0 + 5.0, elapsed  # the 2 s bound (before: at least 30 s, then more)
     assert "rank 0 started" in str(info.value)
 
 
@@ -72,7 +72,7 @@ def test_a_port_that_accepts_and_never_answers_cannot_block_a_rank() -> None:
         start = time.monotonic()
         with pytest.raises(CollectiveTimeoutError, match="no rendezvous store answered"):
             rendezvous(1, 2, "127.0.0.1", listener.getsockname()[1], 2.0, min_wait_seconds=2.0)
-        assert time.monotonic() - start < 2.0 + 2.5
+        assert time.monotonic() - start < 2.0 + 5.0  # before: blocked for good
     finally:
         stop.set()
         thread.join(5)
@@ -150,27 +150,21 @@ def test_tasks_started_with_different_worker_lists_name_the_difference() -> None
         assert "different clusters" in out["message"] and c in out["message"], out
 
 
-def test_a_second_task_claiming_a_running_index_is_named() -> None:
+@pytest.mark.parametrize(
+    ("index", "named"),
+    [(1, "two processes claim rank 1"), (0, "two tasks claim rank 0")],
+    ids=["index-1", "index-0"],
+)
+def test_a_second_task_claiming_a_running_index_is_named(index: int, named: str) -> None:
     workers = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
     running = [_start(_tf_config(workers, i), 20.0) for i in (0, 1)]
     try:
         _await_ready(running)
-        (duplicate,) = _finish([_start(_tf_config(workers, 1), 20.0)])
+        (duplicate,) = _finish([_start(_tf_config(workers, index), 20.0)])
     finally:
         outs = _finish(running)
-    assert not duplicate["ok"] and "two processes claim rank 1" in duplicate["message"], duplicate
+    assert not duplicate["ok"] and named in duplicate["message"], duplicate
     assert outs == [{"ok": True}, {"ok": True}]  # the running job is not disturbed
-
-
-def test_a_second_task_claiming_index_0_is_named() -> None:
-    workers = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
-    running = [_start(_tf_config(workers, i), 20.0) for i in (0, 1)]
-    try:
-        _await_ready(running)
-        (duplicate,) = _finish([_start(_tf_config(workers, 0), 20.0)])
-    finally:
-        _finish(running)
-    assert not duplicate["ok"] and "two tasks claim rank 0" in duplicate["message"], duplicate
 
 
 # -- restarts and repeated strategies ----------------------------------------------------
@@ -206,7 +200,9 @@ def test_fifty_strategies_on_one_port_leave_descriptors_and_threads_flat() -> No
     for out in launch.run(_cycles, 2, args=(50,), launcher="tf_config", timeout=140):
         after = out["after"]
         assert len(after) == 50
-        assert after[-1] == after[4], after  # flat after the first few (imports settle)
+        # Flat after the first few (imports settle); a thread or two may be ending.
+        fds, threads = zip(*after[9:])
+        assert max(fds) - min(fds) <= 2 and max(threads) - min(threads) <= 2, after
 
 
 _ELASTIC = """
@@ -231,9 +227,13 @@ for i in range(6):
     strategy.run(step)
     if attempt == 0 and i == 2 and strategy.worker_index == 1:
         os._exit(3)  # dies mid-training; the agent restarts every worker
-if strategy.is_chief:
-    print(json.dumps({"attempt": attempt, "weight": model.weight.detach().tolist()}))
+weight = model.weight.detach().tolist()
 strategy.shutdown()
+second = ds.MultiWorkerMirroredStrategy()  # a second strategy in the same process
+total = float(second.reduce("sum", torch.tensor(1.0), axis=None))
+if second.is_chief:
+    print(json.dumps({"attempt": attempt, "weight": weight, "second": total}))
+second.shutdown()
 """
 
 
@@ -250,12 +250,13 @@ def test_torchrun_elastic_restart_trains_to_the_end(tmp_path: Path) -> None:
         f"--master_port={_free_port()}",
         str(script),
     ]
-    for _ in range(2):  # the agent's store keeps the dead attempt's keys: twice in a row
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-        assert [line["attempt"] for line in lines] == [1], proc.stdout
-        assert "failed to bind" not in proc.stderr, proc.stderr[-2000:]
+    # The agent's store keeps the dead attempt's keys: attempt 1 must not read them.
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert [line["attempt"] for line in lines] == [1], proc.stdout
+    assert lines[0]["second"] == 2.0  # the second strategy met both workers
+    assert "failed to bind" not in proc.stderr, proc.stderr[-2000:]
 
 
 # -- Ctrl-C and killed launchers -------------------------------------------------------
@@ -276,12 +277,13 @@ if r.rank == 1:
     print(json.dumps({"interrupt_at": time.time()}), flush=True)
     c.all_reduce([torch.ones(1)], ReduceOp.SUM, name="never joined in time")
 else:
-    time.sleep(10)  # busy elsewhere; joins after rank 1 is gone
+    time.sleep(15)  # busy elsewhere; joins after rank 1 is gone
+    start = time.monotonic()
     try:
         c.all_reduce([torch.ones(1)], ReduceOp.SUM, name="never joined in time")
         print(json.dumps({"error": None}))
     except Exception as e:
-        print(json.dumps({"error": str(e)}))
+        print(json.dumps({"error": str(e), "seconds": time.monotonic() - start}))
 """
 
 
@@ -308,9 +310,11 @@ def test_ctrl_c_in_a_collective_exits_at_once_and_the_peer_names_it_gone() -> No
             proc.wait()
     assert "KeyboardInterrupt" in err1, err1[-2000:]
     interrupt_at = json.loads(out1.splitlines()[0])["interrupt_at"] + 1.0
-    assert exited - interrupt_at < 5.0, (exited - interrupt_at, err1[-2000:])
-    error = json.loads([x for x in out0.splitlines() if x.startswith("{")][-1])["error"]
-    assert error is not None and "rank 1" in error, (error, err0[-2000:])
+    # Before: rank 1 lived until rank 0 joined, 14 s later.
+    assert exited - interrupt_at < 8.0, (exited - interrupt_at, err1[-2000:])
+    result = json.loads([x for x in out0.splitlines() if x.startswith("{")][-1])
+    assert result["error"] is not None and "rank 1 is dead" in result["error"], err0[-2000:]
+    assert result["seconds"] < 10.0  # named as gone at once, not at the 60 s timeout
 
 
 _PARENT = """
