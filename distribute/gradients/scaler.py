@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
-from distribute import context
 from distribute.errors import ContextError
 from distribute.gradients._hooks import forget_early_sums, sum_before_step
+from distribute.variables import _running_replica
 
 __all__ = ["GradScaler"]
 
@@ -40,10 +40,9 @@ _PER_REPLICA = (
 
 
 def _local_replica_id() -> int | None:
-    top = context._top()
-    if top is None or top.replica_context is None:
-        return None
-    return top.replica_context.local_replica_id
+    """The local replica running in this thread (of any strategy), else None."""
+    running = _running_replica()
+    return None if running is None else running[1]
 
 
 class _PerReplicaAttribute:

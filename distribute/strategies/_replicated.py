@@ -720,21 +720,14 @@ class ReplicatedExtended(StrategyExtended):
         from distribute.data.dataset import InputWorkers
 
         cross = self._cross_worker
-        sum_across: Callable[[int], int] = (
-            (lambda n: cross.all_reduce_int(n, "end-of-data agreement"))
-            if cross is not None
-            else (lambda n: n)
-        )
+        if cross is None:  # one worker: InputWorkers' defaults (identity sum and gather)
+            return InputWorkers(devices=self._devices)
         return InputWorkers(
             devices=self._devices,
             worker_index=self._worker_index,
             num_workers=self._num_workers,
-            sum_across_workers=sum_across,
-            gather_across_workers=(
-                functools.partial(_gather_bytes, cross)
-                if cross is not None
-                else (lambda data: [data])
-            ),
+            sum_across_workers=lambda n: cross.all_reduce_int(n, "end-of-data agreement"),
+            gather_across_workers=functools.partial(_gather_bytes, cross),
         )
 
     def _distribute_dataset(self, dataset: Any, options: InputOptions | None) -> Any:
