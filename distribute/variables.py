@@ -69,7 +69,6 @@ class DistributedVariable(torch.Tensor):
     _ds_synced_version: int
     _ds_is_buffer: bool
     _ds_trainable: bool
-    _ds_agreed: torch.Tensor | None  # multi-worker buffers: the value at the last sync
     #: Whether any strategy of several replicas in sync has made a variable in this
     #: process; until then the optimizer hooks skip their checks outside `run`.
     _ds_any_replicated: bool = False
@@ -105,7 +104,6 @@ class DistributedVariable(torch.Tensor):
         var._ds_synchronization = synchronization
         var._ds_is_buffer = is_buffer
         var._ds_trainable = trainable
-        var._ds_agreed = None
         var._ds_synced_version = var._primary_version()
         if strategy.num_replicas_in_sync > 1:
             DistributedVariable._ds_any_replicated = True

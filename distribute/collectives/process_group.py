@@ -240,6 +240,8 @@ class ProcessGroupCollectives:
         owns_group: whether `shutdown` destroys the group.
         host: the address other ranks reach this one at (for the failure
             diagnosis); None: this machine's address on the route to the store.
+        device: where nccl's tensors go (this process's GPU); None: the current
+            CUDA device for nccl. Gloo works on CPU tensors.
 
     Example::
 
@@ -259,6 +261,7 @@ class ProcessGroupCollectives:
         timeout_seconds: float,
         owns_group: bool,
         host: str | None = None,
+        device: torch.device | None = None,
     ) -> None:
         if timeout_seconds <= 0:
             raise InvalidArgumentError(
@@ -268,6 +271,12 @@ class ProcessGroupCollectives:
         self._rank = rank
         self._world_size = world_size
         self._backend = backend
+        if backend == "nccl":
+            self._device = (
+                device if device is not None else torch.device("cuda", torch.cuda.current_device())
+            )
+        else:
+            self._device = torch.device("cpu")
         self._timeout = float(timeout_seconds)
         self._grace = _grace(self._timeout)
         self._sliced = backend != "nccl"
@@ -307,13 +316,15 @@ class ProcessGroupCollectives:
         cluster: str = "",
         prefix: str = "",
         launcher_serves: bool = False,
+        device: torch.device | None = None,
     ) -> ProcessGroupCollectives:
         """Joins (rank 0: serves) the rendezvous at ``master_addr:master_port`` and
         creates the default process group.
 
         ``cluster``, ``prefix`` and ``launcher_serves`` go to the rendezvous (see
         NOTE [rendezvous]): what every rank must agree on, this attempt's key
-        prefix, and whether the launcher serves the store.
+        prefix, and whether the launcher serves the store. ``device`` is this
+        process's GPU for nccl (given to ``init_process_group`` as ``device_id``).
 
         Adopts the default group instead when `torch.distributed` is already
         initialised with the same rank and world size.
@@ -363,6 +374,7 @@ class ProcessGroupCollectives:
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_seconds),
+            device_id=device,
         )
         return cls(
             None,
@@ -373,6 +385,7 @@ class ProcessGroupCollectives:
             timeout_seconds,
             owns_group=True,
             host=local_address_towards(master_addr),
+            device=device,
         )
 
     @classmethod
@@ -549,11 +562,8 @@ class ProcessGroupCollectives:
     # -- data movement -----------------------------------------------------------------
 
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
-        if self._backend == "nccl" and not t.is_cuda:
-            return t.cuda()
-        if self._backend == "gloo" and t.is_cuda:
-            return t.cpu()
-        return t
+        """``t`` where the backend works on it: this process's GPU (nccl) or the CPU."""
+        return t if t.device == self._device else t.to(self._device)
 
     def _finish_reduce(self, flat: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         if op is ReduceOp.MEAN:

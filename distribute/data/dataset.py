@@ -35,7 +35,7 @@ import itertools
 import logging
 import pickle
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -276,14 +276,19 @@ class _Step:
                 column[r] = leaf
         return _Step(self.structure, columns, self.replicas)
 
-    def to(self, devices: Sequence[torch.device], cpu_only: bool) -> _Step:
-        """This step with replica ``r``'s leaves on ``devices[r]``."""
+    def to(
+        self, devices: Sequence[torch.device], cpu_only: bool, copies: _CopyStreams | None = None
+    ) -> _Step:
+        """This step with replica ``r``'s leaves on ``devices[r]`` (host-to-GPU copies
+        on ``copies``' streams, waited for when the step is handed out)."""
         if cpu_only:
             if self.on_cpu is None:
                 self.on_cpu = all(_all_on_cpu(column) for column in self.columns)
             if self.on_cpu:
                 return self
-        columns = [[_to_device(x, d) for x, d in zip(column, devices)] for column in self.columns]
+        columns = [
+            [_to_device(x, d, copies) for x, d in zip(column, devices)] for column in self.columns
+        ]
         if all(x is y for a, b in zip(columns, self.columns) for x, y in zip(a, b)):
             return self
         return _Step(self.structure, columns, self.replicas)
@@ -481,14 +486,54 @@ def _slice_leaves(leaves: Sequence[Any], start: int, stop: int) -> list[Any]:
     ]
 
 
-def _to_device(x: Any, device: torch.device) -> Any:
+def _to_device(x: Any, device: torch.device, copies: _CopyStreams | None = None) -> Any:
     if not isinstance(x, torch.Tensor) or (
         x.is_cpu if device.type == "cpu" else x.device == device
     ):
         return x
-    if device.type == "cuda" and x.is_cpu:
-        return x.pin_memory().to(device, non_blocking=True)
+    if device.type == "cuda" and x.is_cpu and copies is not None:
+        return copies.copy(x, device)
     return x.to(device)
+
+
+class _CopyStreams:
+    """Host-to-GPU copies on a side stream per device, so they overlap compute.
+
+    NOTE [prefetch copies]: a read-ahead step's copies are issued on the device's
+    copy stream (asynchronous from pinned memory: pass ``pin_memory=True`` to the
+    DataLoader, whose worker threads pin off the training thread; pageable memory
+    is copied synchronously by CUDA). When the step is handed out, the compute
+    stream waits for the copy stream (``wait_stream``, no host sync) and every
+    copied tensor is recorded on the compute stream (``record_stream``), so the
+    caching allocator does not reuse its memory while a kernel may still read it.
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, Any] = {}
+        self._pending: dict[int, list[tuple[torch.Tensor, Any]]] = {}
+
+    def copy(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # untyped in torch
+        with torch.cuda.stream(stream):
+            y = x.to(device, non_blocking=True)
+        self._pending.setdefault(id(y), []).append((y, stream))
+        return y
+
+    def wait(self, step: _Step) -> None:
+        """Makes each device's current stream wait for ``step``'s copies."""
+        if not self._pending:
+            return
+        waited: set[Any] = set()
+        for column in step.columns:
+            for x in column:
+                for y, stream in self._pending.pop(id(x), ()):
+                    current = torch.cuda.current_stream(y.device)
+                    if stream not in waited:
+                        current.wait_stream(stream)
+                        waited.add(stream)
+                    y.record_stream(current)
 
 
 def _spec(batch: Any, batch_dim: int | None) -> Any:
@@ -566,6 +611,27 @@ class _WorkerBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return len(self._inner)  # type: ignore[arg-type]  # DataLoader batch samplers are sized
+
+    def exact_len(self) -> int | None:
+        """How many blocks this worker gets (its block of a small batch may be
+        empty), where the global batch sizes are known (a `BatchSampler`)."""
+        inner = self._inner
+        if type(inner) is not BatchSampler or not isinstance(inner.sampler, Sized):
+            return None
+        w = self._workers
+
+        def nonempty(size: int) -> bool:
+            start, stop = sharding.worker_slice(
+                size,
+                num_workers=w.num_workers,
+                local_replicas=w.local_replicas,
+                worker_index=w.worker_index,
+            )
+            return stop > start
+
+        full, rest = divmod(len(inner.sampler), inner.batch_size)
+        last = rest > 0 and not inner.drop_last and nonempty(rest)
+        return full * int(nonempty(inner.batch_size)) + int(last)
 
     def __iter__(self) -> Iterator[list[int]]:
         w = self._workers
@@ -670,6 +736,20 @@ class _Source:
         for target in self.epoch_targets:
             _set_epoch(target, epoch)
         return iter(self.iterable)
+
+    def known_steps(self) -> int | None:
+        """At least how many batches an epoch of this worker yields, where the
+        loader can say for sure (a map-style dataset's batch sampler); else None."""
+        loader = self.iterable
+        if (
+            isinstance(loader, DataLoader)
+            and loader.batch_sampler is not None
+            and not isinstance(loader.dataset, IterableDataset)
+        ):
+            if isinstance(loader.batch_sampler, _WorkerBatchSampler):
+                return loader.batch_sampler.exact_len()
+            return len(loader)
+        return None
 
 
 def _agree_seed(workers: InputWorkers, seed: int) -> int:
@@ -882,6 +962,9 @@ class DistributedIterator:
         # The next step, as handed out, when there is nothing to agree on or copy
         # (see NOTE [direct steps]); the steps then come from it alone.
         direct: Callable[[], Any] | None = None,
+        # How many steps this worker's epoch has, when its loader knows (see
+        # NOTE [end of data]).
+        known_steps: Callable[[], int | None] | None = None,
     ) -> None:
         self._read = read
         self._workers = workers
@@ -896,6 +979,10 @@ class DistributedIterator:
         self._done = False
         self._element_spec: Any = None
         self._direct = direct
+        self._known_steps = known_steps
+        self._horizon: int | None = None  # steps every worker is known to have
+        self._taken = 0
+        self._copies = _CopyStreams()
 
     def __iter__(self) -> DistributedIterator:
         return self
@@ -918,6 +1005,7 @@ class DistributedIterator:
             if ahead is None:
                 break
             self._buffer.append(ahead)
+        self._copies.wait(step)
         return step.value()
 
     def get_next(self) -> Any:
@@ -964,15 +1052,39 @@ class DistributedIterator:
             # Bytes from this job's own workers: as trusted as the process group itself.
             self._template = pickle.loads(next(t for t in theirs if t))
 
+    def _agree_horizon(self) -> int:
+        """The number of steps every worker is known to have: the least of their
+        loaders' lengths (one exchange per epoch), 0 where one cannot tell."""
+        mine = self._known_steps() if self._known_steps is not None else None
+        if self._workers.num_workers == 1:
+            return 0  # nothing to agree on: the sum across workers is free
+        theirs = self._workers.gather_across_workers(str(-1 if mine is None else mine).encode())
+        lengths = [int(t) for t in theirs]
+        return 0 if min(lengths) < 0 else min(lengths)
+
     def _prepare(self) -> _Step | None:
         if self._done:
             return None
+        if self._horizon is None:
+            self._horizon = self._agree_horizon()
         step = self._read()
         workers = self._workers
         local = workers.local_replicas
         have = 0 if step is None else local - len(step.missing)
         if self._template is None and step is not None and have:
             self._template = step.template()
+        if self._taken < self._horizon:
+            # NOTE [end of data]: every worker's loader said it has this step, so
+            # there is nothing to agree on (DDP-like: no collective, no host sync).
+            self._taken += 1
+            if step is None:
+                raise InvalidArgumentError(
+                    f"worker {workers.worker_index}'s DataLoader ended after {self._taken - 1} "
+                    f"batches, but its len() promised at least {self._horizon}, which the other "
+                    "workers relied on; make the dataset's __len__ match what it yields"
+                )
+            return self._finish(step)
+        self._taken += 1
         # A worker with no data at all (an empty shard) cannot know what an empty
         # batch looks like: it asks, in the same all-reduce as the end-of-data count.
         need = int((step is None or bool(step.missing)) and not self._has_template())
@@ -982,14 +1094,19 @@ class DistributedIterator:
             return None
         if total >= _NEED_TEMPLATE:
             self._exchange_template()
-        if step is None or step.missing:
+        if step is None:
             structure, empty = self._empty_template()
-            if step is None:
-                columns = [[_MISSING] * local for _ in empty]
-                step = _Step(structure, columns, local, missing=range(local))
+            columns = [[_MISSING] * local for _ in empty]
+            step = _Step(structure, columns, local, missing=range(local))
+        return self._finish(step)
+
+    def _finish(self, step: _Step) -> _Step:
+        """Fills the replicas without data with empty batches; starts the copies."""
+        if step.missing:
+            structure, empty = self._empty_template()
             step = step.filled(structure, empty)
         if self._options.experimental_fetch_to_device:
-            step = step.to(self._workers.devices, self._cpu_only)
+            step = step.to(self._workers.devices, self._cpu_only, self._copies)
         return step
 
 
@@ -1145,6 +1262,7 @@ class DistributedDataset:
             self._batch_dim(),
             prefetch=True,
             direct=direct if workers.num_workers == 1 and (workers.cpu_only or not fetch) else None,
+            known_steps=None if every_worker_reads_all else self._source.known_steps,
         )
 
     def _batch_dim(self) -> int | None:

@@ -21,7 +21,7 @@ import torch
 
 from distribute.errors import InvalidArgumentError
 
-__all__ = ["available_devices", "device_list", "parse_device"]
+__all__ = ["available_devices", "device_list", "local_gpu", "parse_device"]
 
 
 def available_devices() -> list[str]:
@@ -82,3 +82,45 @@ def device_list(devices: str | torch.device | Sequence[str | torch.device]) -> l
     if isinstance(devices, (str, torch.device)):
         devices = [devices]
     return [parse_device(d)[0] for d in devices]
+
+
+def local_gpu(
+    local_rank: int,
+    local_world_size: int,
+    device_count: int,
+    visible_devices: str | None,
+    assigned: Sequence[int] = (),
+) -> int:
+    """The index of the GPU a worker process binds to: its own, never a neighbour's.
+
+    ``assigned`` (a SLURM task's GPU ids) wins when they exist here. Otherwise local
+    rank ``k`` of ``local_world_size`` takes GPU ``k``, which needs at least as many
+    visible GPUs as processes on the host. A launcher that gives each process its
+    own single GPU (``CUDA_VISIBLE_DEVICES=<one id>`` per process) leaves each one
+    GPU 0.
+
+    Raises:
+        InvalidArgumentError: more processes on the host than visible GPUs, so two
+            would share one (NCCL fails with "Duplicate GPU detected").
+
+    Example:
+        >>> local_gpu(3, 8, 8, None)
+        3
+        >>> local_gpu(3, 8, 1, "5")   # the launcher gave this process GPU 5 alone
+        0
+    """
+    usable = [i for i in assigned if 0 <= i < device_count]
+    if usable:
+        return usable[0]
+    if local_world_size <= device_count and 0 <= local_rank < device_count:
+        return local_rank
+    own_gpu = visible_devices is not None and len(visible_devices.split(",")) == 1
+    if device_count == 1 and own_gpu:
+        return 0
+    raise InvalidArgumentError(
+        f"{local_world_size} worker processes run on this host (local rank {local_rank}) but "
+        f"only {device_count} GPU(s) are visible (CUDA_VISIBLE_DEVICES={visible_devices!r}), "
+        "so processes would share a GPU; start one process per GPU (torchrun "
+        f"--nproc_per_node={device_count}), give each process its own CUDA_VISIBLE_DEVICES, "
+        "or pass devices=['cpu'] to train on the CPU"
+    )

@@ -27,6 +27,7 @@ from distribute.errors import (
     ContextError,
     InvalidArgumentError,
 )
+from distribute.strategies._buffer_sync import BufferSync
 from distribute.strategies._devices import parse_device
 from distribute.strategies._replica_threads import Rendezvous, ReplicaThreads
 from distribute.strategies.base import StrategyExtended
@@ -60,7 +61,14 @@ class CrossWorker(Protocol):
     """The cross-process collectives a multi-worker strategy plugs in."""
 
     def all_reduce(
-        self, tensors: Sequence[torch.Tensor], op: ReduceOp, *, name: str, bytes_per_pack: int = 0
+        self,
+        tensors: Sequence[torch.Tensor],
+        op: ReduceOp,
+        *,
+        name: str,
+        bytes_per_pack: int = 0,
+        check: bool = True,
+        in_place: bool = False,
     ) -> list[torch.Tensor]: ...
 
     def all_gather(self, tensor: torch.Tensor, axis: int, *, name: str) -> torch.Tensor: ...
@@ -130,6 +138,7 @@ class ReplicatedExtended(StrategyExtended):
         # follows addresses), because the buffers' sync packs them in this order.
         self._buffers: list[weakref.ref[DistributedVariable]] = []
         self._pending_broadcast: list[DistributedVariable] = []
+        self._buffer_sync: BufferSync | None = None
         n = len(self._devices)
         self._rendezvous = Rendezvous(n, self._timeout) if n > 1 else None
         self._threads: ReplicaThreads | None = None
@@ -280,47 +289,16 @@ class ReplicatedExtended(StrategyExtended):
             self._sync_buffers(buffers)
 
     def _sync_buffers(self, buffers: list[DistributedVariable]) -> None:
-        """Makes buffers that `fn` changed (e.g. BatchNorm statistics) agree again.
-
-        Kernels such as batch norm update buffers in place without bumping their
-        version counter, so a change is found by comparing values: the local copies
-        with each other, and across workers with the value agreed at the last sync
-        (one tiny all-reduce of flags, so that every worker syncs the same buffers).
-        Floating buffers take the mean over all replicas; others replica 0's value.
-        Buffers nobody changed are left alone, bit for bit.
-        """
-        flags = [self._buffer_changed(b) for b in buffers]
-        if self._cross_worker is not None:
-            agreed = self._cross_worker.all_reduce(
-                [torch.tensor(flags, dtype=torch.int32)], ReduceOp.SUM, name="buffer sync flags"
-            )[0]
-            flags = [bool(f) for f in agreed.tolist()]
-        changed = [b for b, flag in zip(buffers, flags) if flag]
-        means = [b for b in changed if b._ds_aggregation is VariableAggregation.MEAN]
-        firsts = [b for b in changed if b._ds_aggregation is not VariableAggregation.MEAN]
-        if means:
-            totals = [_sum_to(_local_copies(b), self._devices[0]) for b in means]
-            if self._cross_worker is not None:
-                totals = self._cross_worker.all_reduce(totals, ReduceOp.SUM, name="buffers")
-            n = self._num_replicas_in_sync()
-            for b, total in zip(means, totals):
-                b._write_all("assign", [(total / n).to(d) for d in self._devices])
-        if firsts:
-            primaries = [b._plain_component(0).clone() for b in firsts]
-            if self._cross_worker is not None:
-                self._cross_worker.broadcast(primaries, 0, name="buffers")
-            for b, value in zip(firsts, primaries):
-                b._write_all("assign", [value] * self._num_local)
-        if self._cross_worker is not None:
-            for b in changed:  # the value every worker agrees on, to tell the next change
-                b._ds_agreed = b._plain_component(0).clone()
-
-    def _buffer_changed(self, buffer: DistributedVariable) -> bool:
-        copies = _local_copies(buffer)
-        if self._cross_worker is None:
-            return any(not torch.equal(c, copies[0]) for c in copies[1:])
-        agreed = buffer._ds_agreed
-        return agreed is None or any(not torch.equal(c, agreed) for c in copies)
+        """Makes buffers that `fn` changed (e.g. BatchNorm statistics) agree again
+        (NOTE [buffer sync]: on the device, no host sync)."""
+        if self._buffer_sync is None:
+            self._buffer_sync = BufferSync(
+                self._devices,
+                self._num_replicas_in_sync(),
+                self._worker_index,
+                self._cross_worker,
+            )
+        self._buffer_sync.sync(buffers)
 
     # -- variables --------------------------------------------------------------------
 
@@ -795,10 +773,6 @@ def _sum_to(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tens
     for t in tensors[1:]:
         total += t.detach().to(device)
     return total
-
-
-def _local_copies(var: DistributedVariable) -> list[torch.Tensor]:
-    return [var._plain_component(i) for i in range(1 + len(var._ds_components))]
 
 
 def _check_axis(tensor: torch.Tensor, axis: int, what: str) -> None:

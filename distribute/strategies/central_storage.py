@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -14,6 +15,8 @@ from distribute.strategies.mirrored import default_devices
 
 __all__ = ["CentralStorageStrategy"]
 
+logger = logging.getLogger(__name__)
+
 
 class CentralStorageStrategy(Strategy):
     """Variables keep ONE copy on the parameter device; every replica computes with it.
@@ -23,8 +26,9 @@ class CentralStorageStrategy(Strategy):
     the same as single-device training on the global batch.
 
     Args:
-        compute_devices: replica devices (default: every GPU, else one CPU).
-        parameter_device: where variables live (default: the CPU).
+        compute_devices: replica devices (default: the first GPU, else one CPU).
+        parameter_device: where variables live (default: the compute devices'
+            device, e.g. the CPU for logical CPU replicas).
 
     Raises:
         InvalidArgumentError: the compute devices are not on the parameter device's
@@ -45,8 +49,20 @@ class CentralStorageStrategy(Strategy):
         parameter_device: str | torch.device | None = None,
     ) -> None:
         devices = device_list(compute_devices if compute_devices is not None else default_devices())
-        parameter = parse_device(parameter_device or "cpu")[1]
         placed = {parse_device(d)[1] for d in devices}
+        if compute_devices is None and len(placed) > 1:
+            # Several GPUs cannot alias one copy; by default compute on the first.
+            logger.warning(
+                "CentralStorageStrategy: one shared copy needs the compute devices on one "
+                "device, so it computes on %s alone; pass compute_devices to choose",
+                devices[0],
+            )
+            devices = devices[:1]
+            placed = {parse_device(devices[0])[1]}
+        default_parameter = next(iter(placed)) if len(placed) == 1 else torch.device("cpu")
+        parameter = (
+            parse_device(parameter_device)[1] if parameter_device is not None else default_parameter
+        )
         if placed != {parameter}:
             raise InvalidArgumentError(
                 f"CentralStorageStrategy: compute devices {devices} are not on parameter device "

@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from distribute import _env
 from distribute.cluster_resolver import ClusterResolver, resolve_cluster
 from distribute.errors import InvalidArgumentError
 from distribute.experimental import CommunicationImplementation, CommunicationOptions
-from distribute.strategies._devices import device_list
+from distribute.strategies._devices import device_list, local_gpu
 from distribute.strategies._replicated import ReplicatedExtended
 from distribute.strategies.base import Strategy
 
@@ -40,10 +41,32 @@ DEFAULT_BYTES_PER_PACK = 25 * 1024 * 1024
 
 
 def _default_devices(resolver: ClusterResolver | None) -> list[str]:
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        local_rank = resolver.local_rank if resolver is not None else 0
-        return [f"cuda:{local_rank % torch.cuda.device_count()}"]
-    return ["cpu"]
+    """``cuda:<this process's GPU>`` (see `local_gpu`) where CUDA is available, else the CPU."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        return ["cpu"]
+    if resolver is None:
+        return ["cuda:0"]
+    index = local_gpu(
+        resolver.local_rank,
+        resolver.local_world_size,
+        count,
+        _env.read_environment().cuda_visible_devices,
+        assigned=getattr(resolver, "gpu_ids", ()),
+    )
+    return [f"cuda:{index}"]
+
+
+def _bind_process(devices: Sequence[torch.device]) -> torch.device | None:
+    """Makes this process's first CUDA replica device its current device.
+
+    Without it every process's plain ``.cuda()`` (and NCCL's own buffers) land on GPU 0.
+    """
+    cuda = [d for d in devices if d.type == "cuda"]
+    if not cuda:
+        return None
+    torch.cuda.set_device(cuda[0])
+    return cuda[0]
 
 
 def _describe_cluster(resolver: ClusterResolver, world_size: int) -> str:
@@ -82,9 +105,11 @@ class MultiWorkerMirroredStrategy(Strategy):
         communication_options: `ds.experimental.CommunicationOptions` (pack size,
             timeout, implementation: RING = gloo, NCCL = nccl, AUTO picks nccl
             when every replica is a CUDA device).
-        devices: this worker's replica devices; None: ``cuda:<local_rank>`` when
-            CUDA is available, else one CPU. Logical CPUs (``["cpu:0", "cpu:1"]``)
-            give several replicas per process.
+        devices: this worker's replica devices; None: this process's own GPU
+            (``cuda:<local_rank>``, or a SLURM task's first GPU) when CUDA is
+            available, else one CPU. Logical CPUs (``["cpu:0", "cpu:1"]``) give
+            several replicas per process. The process is bound to its first CUDA
+            device (``torch.cuda.set_device``), which nccl's group also uses.
 
     Example:
         >>> import distribute as ds
@@ -111,6 +136,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         super().__init__(extended)
         self._collectives: ProcessGroupCollectives | None = None
         world_size = resolver.world_size if resolver is not None else 1
+        bound = _bind_process(extended.worker_devices)
         if resolver is not None and world_size > 1:
             from distribute.collectives.process_group import ProcessGroupCollectives
 
@@ -125,6 +151,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                 cluster=_describe_cluster(resolver, world_size),
                 prefix=resolver.rendezvous_prefix,
                 launcher_serves=resolver.launcher_serves_rendezvous,
+                device=bound if backend == "nccl" else None,
             )
             extended._set_workers(resolver.rank, world_size, self._collectives)
             weakref.finalize(self, self._collectives.shutdown)

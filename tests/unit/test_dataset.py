@@ -769,6 +769,19 @@ class ThreadSummer:
         self.barrier = threading.Barrier(num_workers, timeout=10)
         self.values = [0] * num_workers
         self.calls = [0] * num_workers
+        self.blobs = [b""] * num_workers
+        self.gathers = [0] * num_workers
+
+    def gather_for(self, w: int) -> Callable[[bytes], list[bytes]]:
+        def gather_across_workers(data: bytes) -> list[bytes]:
+            self.gathers[w] += 1
+            self.blobs[w] = data
+            self.barrier.wait()
+            everything = list(self.blobs)
+            self.barrier.wait()
+            return everything
+
+        return gather_across_workers
 
     def for_worker(self, w: int) -> Callable[[int], int]:
         def sum_across_workers(n: int) -> int:
@@ -799,6 +812,7 @@ def run_workers(
             worker_index=w,
             num_workers=num_workers,
             sum_across_workers=summer.for_worker(w),
+            gather_across_workers=summer.gather_for(w),
         )
         try:
             results[w] = body(w, workers)
@@ -1077,7 +1091,7 @@ def test_off_policy_gives_each_replica_a_global_batch_share_as_in_tf():
 
 
 @pytest.mark.timeout(30)
-def test_end_of_data_agreement_is_one_sum_per_step_and_one_to_end():
+def test_end_of_data_needs_no_collective_per_step_when_every_loader_knows_its_length():
     summer = ThreadSummer(2)
 
     def body(w: int, workers: InputWorkers) -> int:
@@ -1085,7 +1099,41 @@ def test_end_of_data_agreement_is_one_sum_per_step_and_one_to_end():
         return len(list(dist))
 
     assert run_workers(2, 1, body, summer=summer) == [3, 3]
-    assert summer.calls == [5, 5]  # the datasets' lengths compared once, then 3 steps + end
+    assert summer.gathers == [1, 1]  # the epoch's step counts, exchanged once
+    assert summer.calls == [2, 2]  # the datasets' lengths compared once, then the end
+
+
+def test_end_of_data_agreement_is_one_sum_per_step_when_lengths_are_unknown():
+    summer = ThreadSummer(2)
+
+    class Stream(torch.utils.data.IterableDataset[int]):
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(12))
+
+    def body(w: int, workers: InputWorkers) -> int:
+        dist = DistributedDataset(DataLoader(Stream(), batch_size=4), workers)
+        return len(list(dist))
+
+    assert run_workers(2, 1, body, summer=summer) == [3, 3]
+    assert summer.gathers == [1, 1]  # asks once whether every worker knows its length
+    assert summer.calls == [4, 4]  # 3 steps + the end
+
+
+def test_a_loader_shorter_than_its_len_raises_instead_of_desynchronizing_workers():
+    class Short(torch.utils.data.DistributedSampler[int]):
+        def __iter__(self) -> Iterator[int]:
+            return iter(list(super().__iter__())[:2])  # len() still says 6
+
+    def body(w: int, workers: InputWorkers) -> int:
+        data = list(range(12))
+        sampler_type = Short if w == 1 else torch.utils.data.DistributedSampler
+        sampler = sampler_type(data, num_replicas=2, rank=w, shuffle=False)
+        return len(
+            list(DistributedDataset(DataLoader(data, batch_size=2, sampler=sampler), workers))
+        )
+
+    with pytest.raises(ds.errors.InvalidArgumentError, match=r"len\(\) promised at least 3"):
+        run_workers(2, 1, body)
 
 
 @pytest.mark.timeout(30)
