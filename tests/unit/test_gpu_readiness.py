@@ -23,7 +23,7 @@ def test_each_local_rank_of_a_full_node_gets_its_own_gpu(local_rank: int) -> Non
 
 
 def test_more_processes_than_gpus_is_refused_instead_of_wrapping_onto_gpu_0() -> None:
-    with pytest.raises(InvalidArgumentError, match="8 worker processes .* only 4 GPU"):
+    with pytest.raises(InvalidArgumentError, match=r"8 worker processes .* only 4 GPU"):
         local_gpu(5, 8, 4, None)
 
 
