@@ -27,24 +27,36 @@ What is summed is each worker's ``.grad`` as the optimizer step finds it, as in
 one process with several replicas. A gradient that changed after its bucket was
 launched (another backward pass, or user code between backward and the step
 replacing ``.grad`` or modifying it in place) is noticed by its identity and
-version counter. Whether any worker saw such a change travels in a slot at the
-end of the last bucket; when the summed slot is not 0, every worker fills every
-bucket again from its final gradients and reduces it a second time, so all
-workers issue the same collectives. Edits that do not bump the version counter
-(through ``.grad.data``, or ``torch.amp.GradScaler.unscale_``'s fused kernel)
-are not noticed.
+version counter, and then this worker fills every bucket again from its final
+gradients and reduces it a second time. That decision is taken from what this
+worker saw, without asking the others (asking is a host sync on every step), so
+every worker must run the same number of backward passes and the same edits
+between backward and the step: true of gradient accumulation and clipping
+loops. Each worker also puts its decision in a slot at the end of the last
+bucket; the summed slot says whether the workers agreed. A worker that redoes
+reads it at once (the redo is the slow path anyway) and raises before reducing
+again; the others copy it to the host without waiting and check it when their
+next backward pass or step begins, before launching anything. So a disagreement
+raises `CollectiveMismatchError` on every worker instead of pairing one worker's
+second reduction with another's next step. Edits that do not bump
+the version counter (through ``.grad.data``, or ``torch.amp.GradScaler.
+unscale_``'s fused kernel) are not noticed.
 
 Each buffer also ends with one flag per variable, 1 where this worker has a
 gradient: a variable that no worker used keeps ``.grad = None``, as it would in
 one process, so optimizers skip it (a zero gradient would still apply weight
-decay and momentum to it).
+decay and momentum to it). The flags are read on the host only when this
+worker lacks a gradient of the bucket (DDP's ``find_unused_parameters`` pays
+the same); frozen variables (``requires_grad=False``) are not in any bucket.
 
 A ``.grad`` handed over as a view is safe to read and modify until the next
 backward pass writes the buffer again; code that keeps a gradient across steps
 must clone it. While a bucket's all-reduce is in flight, no ``.grad`` may alias
-its buffer (a backward pass would accumulate into memory being reduced): a
-gradient that still does when its bucket launches (after
-``zero_grad(set_to_none=False)``, or with no ``zero_grad``) gets a private copy.
+its buffer (a backward pass would accumulate into memory being reduced, and
+the local gradient must stay readable until the step): gradients that still
+alias it when it launches (after ``zero_grad(set_to_none=False)``, or with no
+``zero_grad``) move to the same slots of a second buffer of the bucket, filled
+by one copy of the whole bucket (no allocation per gradient).
 """
 
 from __future__ import annotations
@@ -59,6 +71,7 @@ from torch.autograd import Variable
 
 from distribute._enums import ReduceOp
 from distribute.collectives.packing import pack_by_bytes, slot_views
+from distribute.errors import CollectiveMismatchError
 
 __all__ = ["BucketReducer", "FIRST_BUCKET_BYTES"]
 
@@ -77,6 +90,9 @@ class _AsyncCollectives(Protocol):
 
     def check_same(self, signature: Any, *, name: str) -> None: ...
 
+    @property
+    def world_size(self) -> int: ...
+
 
 # What a slot was filled from: the gradient (weakly) and its version, or None for zeros.
 _Seen = tuple["weakref.ref[torch.Tensor]", int] | None
@@ -92,8 +108,11 @@ class _Bucket:
         "hooked",
         "members",
         "name",
+        "numel",
         "pending",
         "seen",
+        "shadow",
+        "shadow_views",
         "views",
     )
 
@@ -106,6 +125,10 @@ class _Bucket:
         self.buffer = torch.empty(numel + len(members) + 1, dtype=first.dtype, device=first.device)
         self.views = slot_views(self.buffer, [variables[j] for j in members])
         self.flags = self.buffer[numel:]
+        self.numel = numel
+        # Where aliasing gradients go while the buffer is reduced (made when first needed).
+        self.shadow: torch.Tensor | None = None
+        self.shadow_views: list[torch.Tensor] = []
         # Members whose hook marks them ready; the others are copied at launch.
         self.hooked = sum(1 for j in members if variables[j].requires_grad)
         self.seen: list[_Seen | Literal[False]] = [False] * len(members)  # False: not copied
@@ -143,7 +166,8 @@ class BucketReducer:
 
     Args:
         variables: the optimizer's variables (one local replica each), in the
-            same order on every worker.
+            same order on every worker; those that do not require grad stay out
+            of the buckets (see `stale`).
         collectives: the cross-worker collectives (`all_reduce_async`, `check_same`).
         bytes_per_pack: bucket size in bytes.
         skip: returns True while gradients must only accumulate locally
@@ -157,7 +181,8 @@ class BucketReducer:
         bytes_per_pack: int,
         skip: Callable[[], bool],
     ) -> None:
-        self._variables = list(variables)
+        self._frozen = [v for v in variables if not v.requires_grad]
+        self._variables = [v for v in variables if v.requires_grad]
         self._collectives = collectives
         self._skip = skip
         self._lock = threading.Lock()
@@ -180,6 +205,7 @@ class BucketReducer:
             bucket.name = f"gradients (bucket {index})"
         self._next_launch = 0
         self._in_pass = False
+        self._pending_redo: _HostCopy | None = None
         self._hooks = [
             var.register_post_accumulate_grad_hook(self._hook_for(bucket, k))  # type: ignore[no-untyped-call]  # untyped in torch
             for bucket in self._buckets
@@ -202,6 +228,11 @@ class BucketReducer:
         """Unregisters the gradient hooks."""
         self._finalizer()
 
+    @property
+    def stale(self) -> bool:
+        """Whether a variable left out as frozen now requires grad (rebuild the buckets)."""
+        return any(v.requires_grad for v in self._frozen)
+
     def _hook_for(self, bucket: _Bucket, k: int) -> Callable[[torch.Tensor], None]:
         ref = weakref.ref(self)  # the variables hold the hooks; they must not hold us
 
@@ -217,6 +248,7 @@ class BucketReducer:
             return
         with self._lock:
             if not self._in_pass:
+                self._check_previous_redo()  # before this pass launches anything
                 self._in_pass = True
                 Variable._execution_engine.queue_callback(self._end_pass)
             if bucket.handle is not None:  # in flight: noticed as a change at the step
@@ -262,21 +294,39 @@ class BucketReducer:
     def _launch(self, bucket: _Bucket, redo: bool = False) -> None:
         """Brings the slots up to date and launches the bucket's all-reduce."""
         variables = self._variables
-        flags = []
+        missing: list[int] = []
+        aliased: list[int] = []
         for k, (view, j) in enumerate(zip(bucket.views, bucket.members)):
             var = variables[j]
             if not _unchanged(bucket.seen[k], var.grad):
                 self._copy(bucket, k)
             grad = var.grad
-            flags.append(grad is not None)
-            if grad is not None and grad.data_ptr() == view.data_ptr():
-                var.grad = view.clone()  # the buffer is about to be reduced in place
-                bucket.seen[k] = _seen(var.grad)
-        flags.append(redo)
-        bucket.flags.copy_(torch.tensor(flags, dtype=bucket.flags.dtype))
+            if grad is None:
+                missing.append(k)
+            elif grad.data_ptr() == view.data_ptr():
+                aliased.append(k)
+        if aliased:  # the buffer is about to be reduced in place: see the NOTE
+            self._move_to_shadow(bucket, aliased)
+        # Flags written on the device (no host-to-device copy of a Python list).
+        bucket.flags[:-1].fill_(1)
+        for k in missing:
+            bucket.flags[k].fill_(0)
+        bucket.flags[-1:].fill_(1 if redo else 0)
         bucket.handle = self._collectives.all_reduce_async(
             [bucket.buffer], ReduceOp.SUM, name=bucket.name
         )
+
+    def _move_to_shadow(self, bucket: _Bucket, aliased: list[int]) -> None:
+        if bucket.shadow is None:
+            bucket.shadow = torch.empty_like(bucket.buffer[: bucket.numel])
+            bucket.shadow_views = slot_views(
+                bucket.shadow, [self._variables[j] for j in bucket.members]
+            )
+        bucket.shadow.copy_(bucket.buffer[: bucket.numel])
+        for k in aliased:
+            var = self._variables[bucket.members[k]]
+            var.grad = bucket.shadow_views[k]
+            bucket.seen[k] = _seen(var.grad)
 
     def sum(self, local: int = 0) -> None:
         """Launches what is left, waits for every bucket and hands the sums to `.grad`.
@@ -286,21 +336,44 @@ class BucketReducer:
         """
         with self._lock:
             buckets = self._buckets
+            self._check_previous_redo()
             launched, self._next_launch = self._next_launch, 0
             self._in_pass = False
             changed = any(self._changed(b) for b in buckets[:launched])
             for bucket in buckets[launched:]:
                 self._launch(bucket, redo=changed)  # the last one carries the redo slot
             totals = [self._wait(bucket) for bucket in buckets]
-            if totals[-1][-1].item() != 0:  # some worker's gradients changed after launch
-                for bucket in buckets:  # reduce the final gradients again, everywhere
-                    for k in range(len(bucket.members)):  # the buffer holds sums now
+            redo_count = totals[-1][-1:]
+            if changed:  # this worker's gradients changed after launch: reduce again
+                self._check_redo(float(redo_count.item()), redid=True)
+                for bucket in buckets:  # the buffer holds sums now
+                    for k in range(len(bucket.members)):
                         self._copy(bucket, k)
                     self._launch(bucket)
                 totals = [self._wait(bucket) for bucket in buckets]
+            else:
+                self._pending_redo = _HostCopy(redo_count)
             for bucket, total in zip(buckets, totals):
                 self._write(bucket, total)
                 bucket.reset()
+
+    def _check_previous_redo(self) -> None:
+        """Checks the last step's redo slot, copied to the host without waiting."""
+        pending, self._pending_redo = self._pending_redo, None
+        if pending is not None:
+            self._check_redo(pending.value(), redid=False)
+
+    def _check_redo(self, count: float, *, redid: bool) -> None:
+        expected = self._collectives.world_size if redid else 0
+        if count != expected:
+            raise CollectiveMismatchError(
+                f"workers disagree on reducing their gradients again: {int(count)} of "
+                f"{self._collectives.world_size} workers changed theirs after their buckets "
+                f"were launched (this worker {'did' if redid else 'did not'}), so they issue "
+                "different collectives. Every worker must run the same number of backward "
+                "passes and the same gradient edits before optimizer.step(); accumulate "
+                "with strategy.extended.no_sync()"
+            )
 
     def _wait(self, bucket: _Bucket) -> torch.Tensor:
         assert bucket.handle is not None
@@ -313,8 +386,32 @@ class BucketReducer:
         # device; then the sums are copied into the buffer's slots.
         if total.data_ptr() != bucket.buffer.data_ptr():
             bucket.buffer.copy_(total)
+        variables = self._variables
+        used: list[float] | None = None
+        if any(variables[j].grad is None for j in bucket.members):
+            used = bucket.flags.tolist()  # a host read, only when a gradient is missing here
         for k, (view, j) in enumerate(zip(bucket.views, bucket.members)):
-            var = self._variables[j]
-            if var.grad is None and bucket.flags[k].item() == 0:
+            var = variables[j]
+            if used is not None and var.grad is None and used[k] == 0:
                 continue  # no worker has a gradient for it: it stays None
             var.grad = view  # see NOTE [overlapped gradient sync]: no copy back
+
+
+class _HostCopy:
+    """A small device tensor copied to the host without waiting; read later."""
+
+    __slots__ = ("event", "host")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        cuda = tensor.is_cuda
+        self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=cuda)
+        self.host.copy_(tensor, non_blocking=cuda)
+        self.event: Any = None
+        if cuda:
+            self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
+            self.event.record()
+
+    def value(self) -> float:
+        if self.event is not None:
+            self.event.synchronize()  # long done by the next step
+        return float(self.host.double().numpy()[0])

@@ -64,6 +64,11 @@ class LocalSum:
     def close(self) -> None:
         """Nothing to release: the sum keeps no buffers between steps."""
 
+    @property
+    def stale(self) -> bool:
+        """Never: every step packs what it finds."""
+        return False
+
     def sum(self, local: int) -> None:
         """Sums every replica's gradients into each replica's gradients."""
         ext = self._ext

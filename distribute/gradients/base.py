@@ -85,3 +85,8 @@ class GradientSum(Protocol):
     def close(self) -> None:
         """Releases hooks and buffers."""
         ...
+
+    @property
+    def stale(self) -> bool:
+        """Whether it no longer fits its variables (one left out was unfrozen)."""
+        ...

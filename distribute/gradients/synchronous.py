@@ -68,11 +68,11 @@ class SynchronousStepHandler:
         """The optimizer's `GradientSum`, made at its first step (once for all replicas)."""
         key = tuple(map(id, variables))
         cached = self._sums.get(optimizer)
-        if cached is not None and cached[0] == key:
+        if cached is not None and cached[0] == key and not cached[1].stale:
             return cached[1]
         with self._lock:
             cached = self._sums.get(optimizer)
-            if cached is not None and cached[0] == key:
+            if cached is not None and cached[0] == key and not cached[1].stale:
                 return cached[1]
             if cached is not None:  # the optimizer's parameters changed
                 cached[1].close()

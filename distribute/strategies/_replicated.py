@@ -79,6 +79,9 @@ class CrossWorker(Protocol):
 
     def check_same(self, signature: Any, *, name: str) -> None: ...
 
+    @property
+    def world_size(self) -> int: ...
+
     def all_reduce_async(
         self, tensors: Sequence[torch.Tensor], op: ReduceOp, *, name: str
     ) -> Any: ...

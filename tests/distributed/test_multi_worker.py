@@ -304,9 +304,10 @@ def _unused_and_accumulated(local_replicas: int, set_to_none: bool) -> dict[str,
     return {"params": params}
 
 
-def _different_backward_counts() -> dict[str, Any]:
+def _backward_counts(counts: list[list[int]]) -> dict[str, Any]:
+    """Steps with ``counts[step][rank]`` backward passes each; stops at the first error."""
     rank = int(os.environ["RANK"])
-    strategy = _strategy(1, bytes_per_pack=4)  # bias, then weight: two buckets
+    strategy = _strategy(1, bytes_per_pack=4, timeout_seconds=30)  # bias, weight: 2 buckets
     with strategy.scope():
         model, optimizer = _linear_and_sgd()
 
@@ -316,11 +317,16 @@ def _different_backward_counts() -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad()
 
-    for passes in (1, 1, 1 + rank, 1):  # the first step aggregates synchronously
-        strategy.run(step, args=(passes,))
-    params = _state(model)
+    out: dict[str, Any] = {"error": None, "steps": 0}
+    try:
+        for passes in counts:  # the first step aggregates synchronously
+            strategy.run(step, args=(passes[rank],))
+            out["steps"] += 1
+    except ds.errors.CollectiveMismatchError as e:
+        out["error"] = str(e)
+    out["params"] = _state(model)
     strategy.shutdown()
-    return {"params": params}
+    return out
 
 
 def _branch_logging_frozen_then_shutdown() -> dict[str, Any]:
@@ -569,20 +575,37 @@ def test_unused_parameters_and_repeated_backward_match_one_process(
             torch.testing.assert_close(out["params"][name], value, rtol=1e-6, atol=1e-6)
 
 
-def test_workers_making_different_numbers_of_backward_passes_sum_what_they_accumulated() -> None:
-    """Rank 1 runs backward twice before one step, rank 0 once: the step sums each
-    worker's accumulated gradient (every worker reduces again, so they stay paired)."""
-    results = launch.run(_different_backward_counts, 2, timeout=120)
+def test_workers_accumulating_over_several_backward_passes_sum_what_they_accumulated() -> None:
+    """Every worker runs backward twice before a step (accumulation without
+    no_sync): the step sums each worker's accumulated gradient."""
+    counts = [[1, 1], [1, 1], [2, 2], [1, 1]]
+    results = launch.run(_backward_counts, 2, args=(counts,), timeout=120)
     model, optimizer = _linear_and_sgd()
-    for step_passes in ((1, 1), (1, 1), (1, 2), (1, 1)):
+    for step_passes in counts:
         for rank, passes in enumerate(step_passes):
             for _ in range(passes):
                 model(torch.full((2, 3), float(1 + rank))).square().sum().backward()
         optimizer.step()
         optimizer.zero_grad()
     for out in results:
+        assert out["error"] is None
         for name, value in model.state_dict().items():
             torch.testing.assert_close(out["params"][name], value, rtol=1e-6, atol=1e-6)
+
+
+def test_workers_making_different_numbers_of_backward_passes_raise_on_every_worker() -> None:
+    """Rank 1 runs backward twice before one step, rank 0 once. Which workers saw a
+    change is not asked at each step (that would be a host sync per step), so the
+    disagreement is caught: rank 1 at that step, before reducing again, rank 0 when
+    its next backward pass begins, before launching anything. Nobody hangs."""
+    counts = [[1, 1], [1, 1], [1, 2], [1, 1], [1, 1]]
+    started = time.monotonic()
+    rank0, rank1 = launch.run(_backward_counts, 2, args=(counts,), timeout=120)
+    assert time.monotonic() - started < 25  # well within the 30 s collective timeout
+    assert rank1["steps"] == 2 and rank0["steps"] == 3
+    for out in (rank0, rank1):
+        assert "disagree on reducing their gradients again" in out["error"]
+        assert "no_sync" in out["error"]
 
 
 def test_branches_frozen_parameters_and_collectives_between_backward_and_step() -> None:
