@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -27,11 +28,14 @@ class PerReplicaState(collections.defaultdict):  # type: ignore[type-arg]
     """An optimizer's `state`, one dict per local replica, chosen by the running replica.
 
     Cross-replica code (e.g. `optimizer.state_dict()`) sees replica 0's state.
+    During a step that gives the optimizer plain tensors (NOTE [plain tensors at
+    the step]), those tensors are keys for their variables' entries.
     """
 
     def __init__(self, existing: dict[Any, Any], ext: ReplicatedExtended) -> None:
         super().__init__(dict)
         self._strategy = ext._container_strategy
+        self._keys = threading.local()
         self._replicas: list[collections.defaultdict[Any, Any]] = [
             collections.defaultdict(dict, existing)
         ]
@@ -41,17 +45,26 @@ class PerReplicaState(collections.defaultdict):  # type: ignore[type-arg]
     def _current(self) -> collections.defaultdict[Any, Any]:
         return self._replicas[_local_replica(self._strategy) or 0]
 
+    def translate(self, mapping: dict[Any, Any] | None) -> None:
+        """Makes this thread's lookups of ``mapping``'s keys reach their values' entries
+        (None: stop)."""
+        self._keys.mapping = mapping
+
+    def _key(self, key: Any) -> Any:
+        mapping = getattr(self._keys, "mapping", None)
+        return mapping.get(key, key) if mapping else key
+
     def __getitem__(self, key: Any) -> Any:
-        return self._current()[key]
+        return self._current()[self._key(key)]
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        self._current()[key] = value
+        self._current()[self._key(key)] = value
 
     def __delitem__(self, key: Any) -> None:
-        del self._current()[key]
+        del self._current()[self._key(key)]
 
     def __contains__(self, key: object) -> bool:
-        return key in self._current()
+        return self._key(key) in self._current()
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self._current())
@@ -72,19 +85,23 @@ class PerReplicaState(collections.defaultdict):  # type: ignore[type-arg]
         return self._current().items()
 
     def get(self, key: Any, default: Any = None) -> Any:
-        return self._current().get(key, default)
+        return self._current().get(self._key(key), default)
 
     def setdefault(self, key: Any, default: Any = None) -> Any:
-        return self._current().setdefault(key, default)
+        return self._current().setdefault(self._key(key), default)
 
     def pop(self, key: Any, *default: Any) -> Any:
-        return self._current().pop(key, *default)
+        return self._current().pop(self._key(key), *default)
 
     def clear(self) -> None:
         self._current().clear()
 
     def __repr__(self) -> str:
         return repr(dict(self._current()))
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # The thread-local key map cannot be copied; a copy is replica 0's state.
+        return (dict, (dict(self._replicas[0]),))
 
 
 def _clone_state(state: dict[Any, Any], device: torch.device) -> dict[Any, Any]:

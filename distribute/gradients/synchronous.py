@@ -30,6 +30,7 @@ from distribute.errors import ContextError, InvalidArgumentError
 from distribute.gradients import _hooks  # noqa: F401  # registers the optimizer step hooks
 from distribute.gradients._bucket_reducer import BucketReducer
 from distribute.gradients._local_sum import LocalSum
+from distribute.gradients._replica_params import ReplicaParamGroups, replica_groups
 from distribute.gradients._state import PerReplicaState
 from distribute.gradients.base import GradientSum
 
@@ -55,6 +56,8 @@ class SynchronousStepHandler:
             weakref.WeakKeyDictionary()
         )
         self._lock = threading.Lock()
+        # Per optimizer: whether its steps get plain tensors (NOTE [plain tensors at the step]).
+        self._plain: weakref.WeakKeyDictionary[Optimizer, bool] = weakref.WeakKeyDictionary()
 
     @property
     def _ext(self) -> ReplicatedExtended:
@@ -108,7 +111,8 @@ class SynchronousStepHandler:
         summed: bool,
     ) -> None:
         ext = self._ext
-        if ext._num_local > 1 and not isinstance(optimizer.state, PerReplicaState):
+        plain = self._plain_tensors(optimizer)
+        if (ext._num_local > 1 or plain) and not isinstance(optimizer.state, PerReplicaState):
             with self._lock:
                 if not isinstance(optimizer.state, PerReplicaState):
                     optimizer.state = PerReplicaState(optimizer.state, ext)
@@ -118,11 +122,49 @@ class SynchronousStepHandler:
             self.sum_gradients(optimizer, variables, local)
         if ext._central and local != 0:
             ext._skip_grads.value = True
+        if plain:
+            self._begin_plain_step(optimizer, local)
+
+    def _plain_tensors(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer`` steps on plain tensors (NOTE [plain tensors at the step]):
+        replicas off the CPU, or ``foreach``/``fused`` asked for; never under central
+        storage, whose replicas share one copy that replica 0 alone updates."""
+        plain = self._plain.get(optimizer)
+        if plain is None:
+            ext = self._ext
+            groups = optimizer.param_groups
+            if isinstance(groups, ReplicaParamGroups):
+                groups = groups.originals()
+            asked = any(g.get("foreach") or g.get("fused") for g in groups)
+            off_cpu = any(d.type != "cpu" for d in ext._devices)
+            plain = not ext._central and (asked or off_cpu)
+            self._plain[optimizer] = plain
+        return plain
+
+    def _begin_plain_step(self, optimizer: Optimizer, local: int) -> None:
+        groups = optimizer.param_groups
+        if not isinstance(groups, ReplicaParamGroups):  # first step, or load_state_dict
+            with self._lock:
+                groups = optimizer.param_groups
+                if not isinstance(groups, ReplicaParamGroups):
+                    groups = ReplicaParamGroups(groups)
+                    optimizer.param_groups = groups
+        copies, mapping = replica_groups(groups.originals(), self._ext._container_strategy, local)
+        groups.begin(copies)
+        state = optimizer.state
+        assert isinstance(state, PerReplicaState)
+        state.translate(mapping)
 
     def after_step(
         self, optimizer: Optimizer, variables: Sequence[DistributedVariable], local: int
     ) -> None:
         ext = self._ext
+        groups = optimizer.param_groups
+        if isinstance(groups, ReplicaParamGroups):
+            groups.end()
+            state = optimizer.state
+            if isinstance(state, PerReplicaState):
+                state.translate(None)
         if not ext._central:
             return
         ext._skip_grads.value = False

@@ -9,6 +9,17 @@ never waits forever: when a replica fails, the others are released with
 `ReplicaAbortedError`; when a replica finishes `fn` while others wait for it, the
 waiters get a `ContextError` (different numbers of collectives or merge calls); when
 the timeout passes, the error names the replicas that never arrived.
+
+# NOTE [CUDA hand-offs]
+Each replica thread runs with its replica's GPU as the current device, on the
+stream the caller had current for that device (as `DataParallel.parallel_apply`
+does), so ``.cuda()``, ``current_stream()`` and ``synchronize()`` inside ``fn``
+mean the replica's own GPU. Tensors cross threads at every rendezvous, and each
+thread may have queued work on its own stream: a depositor records an event on
+its stream, the replica that combines makes its streams (on every replica GPU)
+wait for all of them first, and records events after combining, which every
+replica's stream waits for before using the result. Without this the hand-off is
+right only while every thread uses the default stream. (Untested without a GPU.)
 """
 
 from __future__ import annotations
@@ -35,11 +46,16 @@ class Rendezvous:
     Args:
         num_replicas: the number of local replicas.
         timeout: seconds a replica waits for the others before raising.
+        devices: the replicas' devices; CUDA ones get stream events at every
+            hand-off (NOTE [CUDA hand-offs]).
     """
 
-    def __init__(self, num_replicas: int, timeout: float) -> None:
+    def __init__(
+        self, num_replicas: int, timeout: float, devices: Sequence[torch.device] = ()
+    ) -> None:
         self._n = num_replicas
         self._timeout = timeout
+        self._cuda = [d for d in devices if d.type == "cuda"]
         self._cond = threading.Condition()
         self._generation = 0
         self._slots: list[Any] = [None] * num_replicas
@@ -48,6 +64,8 @@ class Rendezvous:
         self._results: dict[int, tuple[bool, Any]] = {}
         self._finished: set[int] = set()
         self._abort: BaseException | None = None
+        self._events: list[Any] = [None] * num_replicas  # CUDA only: each deposit's event
+        self._done_events: list[Any] = []  # CUDA only: recorded after combining
 
     def reset(self) -> None:
         """Prepares for a new `run`: clears finished replicas and any abort."""
@@ -100,14 +118,22 @@ class Rendezvous:
             self._slots[replica] = value
             self._arrived[replica] = True
             self._names[replica] = name
+            if self._cuda:
+                self._events[replica] = torch.cuda.current_stream().record_event()
             if all(self._arrived):
                 values = self._slots
                 self._slots = [None] * self._n
                 self._arrived = [False] * self._n
+                if self._cuda:
+                    self._wait_for(self._events)
                 try:
                     outcome: tuple[bool, Any] = (True, combine(values))
                 except BaseException as e:  # delivered to every replica
                     outcome = (False, e)
+                if self._cuda:
+                    self._done_events = [
+                        torch.cuda.current_stream(d).record_event() for d in self._cuda
+                    ]
                 self._results = {generation: outcome}
                 self._generation += 1
                 self._cond.notify_all()
@@ -128,9 +154,21 @@ class Rendezvous:
                         raise error
                     self._cond.wait(remaining)
             ok, result = self._results[generation]
+            done_events = self._done_events
+        if self._cuda:
+            for event in done_events:  # the combined result is ready on this stream
+                torch.cuda.current_stream().wait_event(event)
         if not ok:
             raise result
         return result
+
+    def _wait_for(self, events: Sequence[Any]) -> None:
+        """Makes the combining thread's stream on every replica GPU wait for ``events``."""
+        for device in self._cuda:
+            stream = torch.cuda.current_stream(device)
+            for event in events:
+                if event is not None:
+                    stream.wait_event(event)
 
     def _check_abort(self) -> None:
         if self._abort is not None:
@@ -195,6 +233,27 @@ class _ThreadState:
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
+class _Placement:
+    """A replica's GPU and the caller's current stream on it, entered in its thread."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    @classmethod
+    def capture(cls, device: torch.device) -> _Placement:
+        return cls(torch.cuda.current_stream(device) if device.type == "cuda" else None)
+
+    def entered(self) -> contextlib.AbstractContextManager[Any]:
+        if self.stream is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.stream.device))
+        stack.enter_context(torch.cuda.stream(self.stream))
+        return stack
+
+
 class _Worker(threading.Thread):
     def __init__(self, index: int) -> None:
         super().__init__(name=f"distribute-replica-{index}", daemon=True)
@@ -216,9 +275,12 @@ class ReplicaThreads:
 
     Args:
         num_replicas: the number of local replicas (at least 2).
+        devices: the replicas' devices; a thread whose replica is a GPU runs with
+            it as the current device (NOTE [CUDA hand-offs]).
     """
 
-    def __init__(self, num_replicas: int) -> None:
+    def __init__(self, num_replicas: int, devices: Sequence[torch.device] = ()) -> None:
+        self._devices = list(devices)
         self._workers = [_Worker(i) for i in range(num_replicas)]
         for w in self._workers:
             w.start()
@@ -246,11 +308,12 @@ class ReplicaThreads:
         errors: list[BaseException | None] = [None] * n
         done = threading.Semaphore(0)
         state = _ThreadState.capture()
+        places = [_Placement.capture(d) for d in self._devices] or [_Placement(None)] * n
 
         def make_task(i: int) -> Callable[[], None]:
             def task() -> None:
                 try:
-                    with state.entered():
+                    with state.entered(), places[i].entered():
                         results[i] = fns[i]()
                     on_finish(i)
                 except BaseException as e:

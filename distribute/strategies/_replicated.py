@@ -143,7 +143,7 @@ class ReplicatedExtended(StrategyExtended):
         self._pending_broadcast: list[DistributedVariable] = []
         self._buffer_sync: BufferSync | None = None
         n = len(self._devices)
-        self._rendezvous = Rendezvous(n, self._timeout) if n > 1 else None
+        self._rendezvous = Rendezvous(n, self._timeout, self._devices) if n > 1 else None
         self._threads: ReplicaThreads | None = None
         self._thread_lock = threading.Lock()
         self._run_owner: threading.Thread | None = None
@@ -245,7 +245,7 @@ class ReplicatedExtended(StrategyExtended):
         assert self._rendezvous is not None
         with self._thread_lock:
             if self._threads is None:
-                self._threads = ReplicaThreads(self._num_local)
+                self._threads = ReplicaThreads(self._num_local, self._devices)
                 self._holder.append(self._threads)
         strategy = self._container_strategy
         rendezvous = self._rendezvous

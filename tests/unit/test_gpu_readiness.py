@@ -4,10 +4,16 @@ per-replica optimizer tensors, thread state. What needs a real GPU is in tests/g
 from __future__ import annotations
 
 import ast
+import contextlib
+import copy
+import importlib
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
+import distribute as ds
 from distribute.errors import InvalidArgumentError
 from distribute.strategies._devices import local_gpu
 
@@ -73,3 +79,112 @@ def test_the_library_never_calls_cuda_without_a_device() -> None:
 
 def test_the_static_check_finds_a_bare_cuda_call() -> None:
     assert _cuda_calls_without_device("x = t.cuda()\ny = t.cuda(1)\n") == [1]
+
+
+# -- optimizers get each replica's plain tensors ------------------------------------------
+
+
+def _adam_run(
+    strategy: ds.Strategy | None, steps: int = 3, **adam: Any
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[Any]]:
+    """Adam on a Linear(3, 2) for a few steps of a fixed global batch of 4."""
+    torch.manual_seed(0)
+    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+    with scope:
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1, **adam)
+    seen: list[Any] = []
+    x = torch.arange(12.0).reshape(4, 3) / 10
+
+    def step(xs: torch.Tensor) -> None:
+        loss = ds.compute_average_loss(model(xs).square().sum(1), global_batch_size=4)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(steps):
+        if strategy is None:
+            step(x)
+        else:
+            n = strategy.num_replicas_in_sync
+            strategy.run(step, args=(ds.PerReplica(list(x.chunk(n))) if n > 1 else x,))
+    return model, optimizer, seen
+
+
+@pytest.mark.parametrize("flag", ["foreach", "fused"])
+def test_foreach_and_fused_optimizers_train_replicas_like_one_device(flag: str) -> None:
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    model, optimizer, _ = _adam_run(strategy, **{flag: True})
+    reference, ref_optimizer, _ = _adam_run(None, **{flag: True})
+    for p, r in zip(model.parameters(), reference.parameters()):
+        for component in p.values:
+            torch.testing.assert_close(component, r.detach(), rtol=1e-6, atol=1e-6)
+    # The state is still keyed by the variables: state_dict matches one device's.
+    mine, theirs = optimizer.state_dict(), ref_optimizer.state_dict()
+    assert mine["param_groups"] == theirs["param_groups"]
+    for index, state in theirs["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(mine["state"][index][key], value, rtol=1e-6, atol=1e-6)
+
+
+def test_foreach_optimizer_steps_on_plain_tensors_of_each_replicas_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Replicas on two really different devices: before, torch grouped the variables
+    by replica 0's device and raised "Tensors of the same index must be on the same
+    device"; the foreach kernel must get plain tensors of one device per replica."""
+    seen: list[tuple[set[type], set[str]]] = []
+    adam_module = importlib.import_module("torch.optim.adam")  # the name is shadowed
+    original = adam_module._multi_tensor_adam
+
+    def spy(params: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        seen.append(({type(p) for p in params}, {p.device.type for p in params}))
+        return original(params, *args, **kwargs)
+
+    monkeypatch.setattr(adam_module, "_multi_tensor_adam", spy)
+    strategy = ds.MirroredStrategy(["cpu", "meta"])
+    strategy.extended.experimental_aggregate_gradients = False  # meta has no data to sum
+    with strategy.scope():
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1, foreach=True)
+    before = model.weight.values[0].clone()
+
+    def step(x: torch.Tensor) -> None:
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    x = ds.PerReplica([torch.ones(2, 3), torch.ones(2, 3, device="meta")])
+    for _ in range(2):
+        strategy.run(step, args=(x,))
+    assert sorted(seen, key=str) == sorted(
+        [({torch.Tensor}, {"cpu"}), ({torch.Tensor}, {"meta"})] * 2, key=str
+    )
+    assert not torch.equal(model.weight.values[0], before)
+    assert model.weight.values[1].device.type == "meta"
+    assert isinstance(optimizer.param_groups[0]["params"][0], ds.MirroredVariable)  # outside
+
+
+def test_optimizers_on_cpu_replicas_with_defaults_keep_their_own_param_groups() -> None:
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    _, optimizer, _ = _adam_run(strategy)
+    assert type(optimizer.param_groups) is list  # nothing swapped where it does not pay
+
+
+def test_an_optimizer_with_per_replica_groups_can_be_copied_and_reloaded() -> None:
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    model, optimizer, _ = _adam_run(strategy, foreach=True)
+    state = optimizer.state_dict()
+    optimizer.load_state_dict(state)  # replaces param_groups and state with plain ones
+    copied = copy.deepcopy(optimizer.state_dict())
+    assert copied["param_groups"] == state["param_groups"]
+    x = torch.ones(2, 3)
+
+    def step(xs: torch.Tensor) -> None:
+        model(xs).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    strategy.run(step, args=(ds.PerReplica([x, x]),))
+    a, b = model.weight.values
+    assert torch.equal(a, b)
