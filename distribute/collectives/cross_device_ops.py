@@ -97,11 +97,7 @@ def _reduce_to_one_device(
     for c in components[1:]:
         total += c.detach().to(target)
     if op is ReduceOp.MEAN:
-        total = (
-            total / len(components)
-            if total.is_floating_point()
-            else total.double() / len(components)
-        )
+        total = _mean(total, len(components))
     return Mirrored([total.to(d, copy=True) for d in devices])
 
 
@@ -119,8 +115,17 @@ class ReductionToOneDevice(CrossDeviceOps):
         return _reduce_to_one_device(op, value, destinations, self._device)
 
 
+def _mean(total: torch.Tensor, n: int) -> torch.Tensor:
+    """``total / n``; integers give float64, as everywhere in the library."""
+    return total / n if total.is_floating_point() else total.double() / n
+
+
 def packed_all_reduce(
-    op: ReduceOp, per_replica: Sequence[Sequence[torch.Tensor]], num_packs: int
+    op: ReduceOp,
+    per_replica: Sequence[Sequence[torch.Tensor]],
+    num_packs: int,
+    *,
+    nccl: bool = True,
 ) -> list[list[torch.Tensor]]:
     """All-reduces lists of tensors (one list per replica) in `num_packs` chunks.
 
@@ -128,6 +133,10 @@ def packed_all_reduce(
     per dtype here), split into `num_packs` chunks (the last takes the
     remainder), and each chunk is reduced; `num_packs == 0` reduces tensor by
     tensor.
+
+    ``nccl``: chunks on distinct GPUs are summed with ``torch.cuda.nccl``; otherwise
+    (and for other devices) by copies to the first device and back (TF's
+    hierarchical copy).
 
     Returns:
         One list of reduced tensors per replica, on that replica's devices: views
@@ -164,11 +173,11 @@ def packed_all_reduce(
         chunk_sizes = split_num_packs(flats[0].numel(), num_packs)
         reduced_chunks: list[list[torch.Tensor]] = [[] for _ in range(n)]
         for chunks in zip(*(f.split_with_sizes(chunk_sizes) for f in flats)):
-            if all(c.is_cuda for c in chunks) and len({c.device for c in chunks}) == n:
+            if nccl and all(c.is_cuda for c in chunks) and len({c.device for c in chunks}) == n:
                 outputs = [c.clone() for c in chunks]
                 torch.cuda.nccl.all_reduce(outputs)  # type: ignore[no-untyped-call]  # torch.cuda.nccl is untyped
                 if op is ReduceOp.MEAN:
-                    outputs = [o / n for o in outputs]
+                    outputs = [_mean(o, n) for o in outputs]
             else:
                 outputs = list(
                     _reduce_to_one_device(
@@ -184,6 +193,8 @@ def packed_all_reduce(
 
 
 class _AllReduceOps(CrossDeviceOps):
+    _nccl = True  # whether distinct GPUs sum with torch.cuda.nccl
+
     def __init__(self, num_packs: int = 1) -> None:
         if num_packs < 0:
             raise InvalidArgumentError(
@@ -214,12 +225,13 @@ class _AllReduceOps(CrossDeviceOps):
             return [_reduce_to_one_device(op, v, d, None) for v, d in value_destination_pairs]
         n = len(per_value[0])
         per_replica = [[c[r] for c in per_value] for r in range(n)]
-        reduced = packed_all_reduce(op, per_replica, self._num_packs)
+        reduced = packed_all_reduce(op, per_replica, self._num_packs, nccl=self._nccl)
         return [Mirrored([reduced[r][j] for r in range(n)]) for j in range(len(per_value))]
 
 
 class HierarchicalCopyAllReduce(_AllReduceOps):
-    """Packed all-reduce across distinct GPUs (TF's hierarchical copy).
+    """Packed all-reduce across distinct GPUs by copies (TF's hierarchical copy):
+    each chunk is summed on the first GPU and copied back, without NCCL.
 
     Args:
         num_packs: chunks the concatenated tensors are split into (>= 0).
@@ -229,6 +241,8 @@ class HierarchicalCopyAllReduce(_AllReduceOps):
         >>> ds.HierarchicalCopyAllReduce(num_packs=2).num_packs
         2
     """
+
+    _nccl = False
 
 
 class NcclAllReduce(_AllReduceOps):

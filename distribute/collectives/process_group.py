@@ -42,9 +42,19 @@ dead, alive but elsewhere, or not answering.
   naming both ranks. Pass ``check=False`` where the layout was checked once
   (gradient buckets do this with `check_same`).
 
-With the nccl backend, waits are not sliced (``Work.wait`` only orders CUDA
-streams); the process group's own timeout (its watchdog) ends a hang, and the
-failure is then diagnosed the same way. This path is untested here (no GPU).
+# NOTE [nccl deadlines]
+With nccl, ``Work.wait()`` only makes the current CUDA stream wait; the host goes
+on, and a stuck collective would surface much later in whatever reads a result
+(an ``.item()`` no deadline reaches). Blocking the host until each collective
+completes would cost the overlap DDP has, so instead each launched work goes to a
+`_StreamWatch`: a daemon thread that polls ``is_completed()`` every quarter
+second. A work still running at the library's deadline is diagnosed as above
+(the missing ranks named, logged at once), the group is marked broken, and its
+communicators are aborted, which frees the GPU; the next collective raises the
+diagnosis. The process group itself gets a longer timeout (twice the deadline
+plus 30 s), so that NCCL's own watchdog, which torchrun's
+``TORCH_NCCL_ASYNC_ERROR_HANDLING`` lets kill the process, fires after ours.
+Untested here (no GPU).
 
 Example::
 
@@ -55,11 +65,14 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import datetime
 import hashlib
 import itertools
 import logging
+import socket
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -209,6 +222,98 @@ def _close(
             logger.debug("destroy_process_group failed", exc_info=True)
 
 
+def check_distinct_devices(
+    store: Store, rank: int, world_size: int, identity: str, timeout_seconds: float
+) -> None:
+    """Raises on every rank when two ranks would drive one GPU.
+
+    Each rank posts ``identity`` (host and GPU UUID) to the rendezvous store and
+    reads everyone's, before NCCL is initialised, whose own message for this
+    ("Duplicate GPU detected") names neither the ranks nor the fix.
+
+    Raises:
+        InvalidArgumentError: two ranks share a device (both are named).
+    """
+    store.set(f"device/{rank}", identity)
+    keys = [f"device/{r}" for r in range(world_size)]
+    store.wait(keys, datetime.timedelta(seconds=timeout_seconds))
+    owners: dict[str, int] = {}
+    for r in range(world_size):
+        seen = store.get(f"device/{r}").decode()
+        if seen in owners:
+            raise InvalidArgumentError(
+                f"ranks {owners[seen]} and {r} both use GPU {seen!r}: each worker process "
+                "needs its own GPU. Start one process per GPU (torchrun --nproc_per_node = "
+                "GPUs per host), give each its own CUDA_VISIBLE_DEVICES, or pass distinct "
+                "devices"
+            )
+        owners[seen] = r
+
+
+def device_identity(device: torch.device) -> str:
+    """``host/GPU UUID`` of a CUDA device (its index where the UUID is unknown)."""
+    properties = torch.cuda.get_device_properties(device)
+    uuid = getattr(properties, "uuid", None)
+    return f"{socket.gethostname()}/{uuid if uuid is not None else device.index}"
+
+
+def nccl_group_timeout(timeout_seconds: float) -> datetime.timedelta:
+    """The process group's own timeout under nccl: past the library's deadline
+    (NOTE [nccl deadlines]), so that the library names the missing ranks first."""
+    return datetime.timedelta(seconds=2 * timeout_seconds + 30)
+
+
+class _StreamWatch:
+    """Polls launched nccl works off the training thread (NOTE [nccl deadlines]).
+
+    Args:
+        on_overdue: a weak reference to the callback called once, from the watch
+            thread, with the first work still running past ``start + timeout``:
+            ``(position, start)``. The thread ends when its target is gone.
+        timeout: the library's deadline for one collective, in seconds.
+    """
+
+    def __init__(self, on_overdue: Any, timeout: float) -> None:
+        self._on_overdue = on_overdue
+        self._timeout = timeout
+        self._pending: collections.deque[tuple[Any, Position, float]] = collections.deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def add(self, work: Any, position: Position, start: float) -> None:
+        with self._lock:
+            self._pending.append((work, position, start))
+            if self._thread is None and not self._stopped:
+                self._thread = threading.Thread(
+                    target=self._run, name="distribute-nccl-watch", daemon=True
+                )
+                self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._wake.wait(_SLICE.total_seconds()):
+            now = time.monotonic()
+            overdue = None
+            with self._lock:
+                while self._pending and self._pending[0][0].is_completed():
+                    self._pending.popleft()
+                for work, position, start in self._pending:
+                    if not work.is_completed() and now > start + self._timeout:
+                        overdue = (position, start)
+                        break
+            callback = self._on_overdue()
+            if callback is None:  # the collectives object is gone
+                return
+            if overdue is not None:
+                callback(*overdue)
+                return
+
+
 # Groups left with an abandoned collective (by id: they are never freed, so an id is
 # never reused). Such a group cannot be adopted again.
 _ABANDONED: set[int] = set()
@@ -280,6 +385,11 @@ class ProcessGroupCollectives:
         self._timeout = float(timeout_seconds)
         self._grace = _grace(self._timeout)
         self._sliced = backend != "nccl"
+        self._watch: _StreamWatch | None = None
+        if not self._sliced:
+            self._watch = _StreamWatch(
+                weakref.WeakMethod(self._overdue), self._timeout - self._grace
+            )
         self._counter = itertools.count(1)
         self._closed = False
         self._broken: list[CollectiveTimeoutError | None] = [None]
@@ -367,13 +477,22 @@ class ProcessGroupCollectives:
             prefix=prefix,
             launcher_serves=launcher_serves,
         )
+        if device is not None and device.type == "cuda" and world_size > 1:
+            check_distinct_devices(
+                store, rank, world_size, device_identity(device), max(timeout_seconds, 30.0)
+            )
         _bind_torch_defaults_before_init()
+        group_timeout = (
+            nccl_group_timeout(timeout_seconds)
+            if backend == "nccl"
+            else datetime.timedelta(seconds=timeout_seconds)
+        )
         dist.init_process_group(
             backend,
             store=PrefixStore("pg/", store),
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_seconds),
+            timeout=group_timeout,
             device_id=device,
         )
         return cls(
@@ -481,11 +600,13 @@ class ProcessGroupCollectives:
 
     def _wait_until_done(self, work: Any, position: Position, start: float) -> None:
         state = self._state
-        if not self._sliced:
+        if not self._sliced:  # nccl: order the stream, watch the work off this thread
             try:
                 work.wait()
             except RuntimeError as exc:
                 raise self._fail(position, start, exc) from exc
+            assert self._watch is not None
+            self._watch.add(work, position, start)
             return
         deadline = start + self._timeout - self._grace
         while True:
@@ -499,6 +620,17 @@ class ProcessGroupCollectives:
                 if work.is_completed():
                     continue  # finished just now: collect the result (or its error)
                 raise self._fail(position, start, None)
+
+    def _overdue(self, position: Position, start: float) -> None:
+        """A nccl collective still runs past the deadline (from the watch thread):
+        name the missing ranks now, then abort the communicators so the GPU is freed
+        and the next collective raises."""
+        error = self._fail(position, start, None)
+        logger.error("%s", error)
+        try:
+            dist.distributed_c10d._abort_process_group(self._group)
+        except Exception:  # already aborted, or torch without abort
+            logger.debug("aborting the process group failed", exc_info=True)
 
     def _fail(
         self, position: Position, start: float, exc: BaseException | None
@@ -832,4 +964,6 @@ class ProcessGroupCollectives:
         if self._closed:
             return
         self._closed = True
+        if self._watch is not None:
+            self._watch.stop()
         self._finalizer()

@@ -12,6 +12,14 @@ so the copies stay bitwise equal.
 Used wherever the sum cannot overlap backward: several local replicas (their
 threads meet only at the step), central storage, one process. One local replica
 per worker of several uses the bucket reducer instead (`_bucket_reducer.py`).
+
+Replicas on distinct GPUs take another route (`_sum_on_gpus`): each replica packs
+its own gradients on its own GPU in its own thread (every variable, zeros where
+it has none, and one used-flag per variable), and the packs are summed in place
+with NCCL across the GPUs (``torch.cuda.nccl``): an all-reduce in one worker;
+across workers a reduce to the first GPU, the cross-worker all-reduce there,
+and a broadcast back. No gradient is copied to GPU 0 one variable at a time.
+Across workers the packs' layout is checked once, not at every step.
 """
 
 from __future__ import annotations
@@ -60,6 +68,13 @@ class LocalSum:
     def __init__(self, ext: ReplicatedExtended, variables: Sequence[DistributedVariable]) -> None:
         self._ext = ext
         self._variables = list(variables)
+        devices = ext._devices
+        self._on_gpus = (
+            len(devices) > 1
+            and all(d.type == "cuda" for d in devices)
+            and len(set(devices)) == len(devices)
+        )
+        self._checked: object = None  # the cross-worker layout last checked
 
     def close(self) -> None:
         """Nothing to release: the sum keeps no buffers between steps."""
@@ -74,6 +89,9 @@ class LocalSum:
         ext = self._ext
         variables = self._variables
         grads = [_get_grad(v, local) for v in variables]
+        if self._on_gpus:
+            self._sum_on_gpus(local, grads)
+            return
         result = ext._exchange(local, "gradient aggregation", grads, self._combine)
         if result is None:
             return
@@ -136,7 +154,11 @@ class LocalSum:
         if not multi_worker:
             return [(m, t, set()) for m, t in packs]
         assert ext._cross_worker is not None
-        totals = ext._cross_worker.all_reduce([t for _, t in packs], ReduceOp.SUM, name="gradients")
+        layout = [(t.dtype, t.numel()) for _, t in packs]
+        totals = ext._cross_worker.all_reduce(
+            [t for _, t in packs], ReduceOp.SUM, name="gradients", check=layout != self._checked
+        )
+        self._checked = layout
         result = []
         for (members, _), total in zip(packs, totals):
             numel = total.numel() - len(members)
@@ -146,6 +168,58 @@ class LocalSum:
                 unused = {j for j, c in zip(members, counts) if c == 0}
             result.append((members, total[:numel], unused))
         return result
+
+    def _sum_on_gpus(self, local: int, grads: list[torch.Tensor | None]) -> None:
+        """Every local replica on its own GPU: NCCL sums the replicas' own packs."""
+        ext = self._ext
+        variables = self._variables
+        device = ext._devices[local]
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for j, var in enumerate(variables):
+            by_dtype.setdefault(var.dtype, []).append(j)
+        packs: list[tuple[list[int], torch.Tensor]] = []
+        with torch.no_grad():
+            for dtype, indices in by_dtype.items():
+                sizes = [variables[j].numel() * dtype.itemsize for j in indices]
+                for pack in pack_by_bytes(sizes, ext._bytes_per_pack, reverse=False):
+                    members = [indices[k] for k in pack]
+                    parts = [_flat_grad(grads[j], variables[j], dtype, device) for j in members]
+                    flags = torch.ones(len(members), dtype=dtype, device=device)
+                    for k, j in enumerate(members):
+                        if grads[j] is None:
+                            flags[k] = 0
+                    packs.append((members, torch.cat([*parts, flags])))
+        summed = ext._exchange(local, "gradient aggregation", packs, self._nccl_sum)
+        del summed  # the packs were summed in place, every replica's on its own GPU
+        for members, flat in packs:
+            numel = flat.numel() - len(members)
+            used: list[float] | None = None
+            if any(grads[j] is None for j in members):  # a host read only then
+                used = flat[numel:].tolist()
+            views = slot_views(flat[:numel], [variables[j] for j in members])
+            for k, (j, view) in enumerate(zip(members, views)):
+                grad = grads[j]
+                if grad is None:
+                    if used is not None and used[k] != 0:
+                        _set_grad(variables[j], local, view)
+                else:
+                    grad.copy_(view)
+
+    def _nccl_sum(self, per_replica: list[list[tuple[list[int], torch.Tensor]]]) -> None:
+        """Sums every pack over the local GPUs (and across workers) in place."""
+        ext = self._ext
+        cross = ext._cross_worker
+        layout = [(flat.dtype, flat.numel()) for _, flat in per_replica[0]]
+        check = layout != self._checked  # across workers, once per layout
+        for k in range(len(layout)):
+            flats = [packs[k][1] for packs in per_replica]
+            if cross is None or ext._num_workers == 1:
+                torch.cuda.nccl.all_reduce(flats)  # type: ignore[no-untyped-call]  # untyped in torch
+                continue
+            torch.cuda.nccl.reduce(flats, root=0)
+            cross.all_reduce(flats[:1], ReduceOp.SUM, name="gradients", in_place=True, check=check)
+            torch.cuda.nccl.broadcast(flats, root=0)
+        self._checked = layout
 
 
 def _add_into(slots: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:

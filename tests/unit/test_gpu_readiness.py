@@ -7,6 +7,9 @@ import ast
 import contextlib
 import copy
 import importlib
+import threading
+import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,11 @@ import pytest
 import torch
 
 import distribute as ds
+from distribute.collectives.process_group import (
+    _StreamWatch,
+    check_distinct_devices,
+    nccl_group_timeout,
+)
 from distribute.errors import InvalidArgumentError
 from distribute.strategies._devices import local_gpu
 
@@ -188,3 +196,86 @@ def test_an_optimizer_with_per_replica_groups_can_be_copied_and_reloaded() -> No
     strategy.run(step, args=(ds.PerReplica([x, x]),))
     a, b = model.weight.values
     assert torch.equal(a, b)
+
+
+# -- nccl collectives are watched off the training thread ---------------------------------
+
+
+class _Work:
+    """Stands in for a nccl `Work` handle: only its completion flag is read."""
+
+    def __init__(self, completed: bool) -> None:
+        self.completed = completed
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+
+class _Owner:
+    def __init__(self) -> None:
+        self.overdue: list[tuple[Any, float]] = []
+        self.called = threading.Event()
+
+    def on_overdue(self, position: Any, start: float) -> None:
+        self.overdue.append((position, start))
+        self.called.set()
+
+
+def test_a_collective_still_running_past_the_deadline_is_reported_from_the_watch_thread() -> None:
+    owner = _Owner()
+    watch = _StreamWatch(weakref.WeakMethod(owner.on_overdue), timeout=0.3)
+    start = time.monotonic()
+    watch.add(_Work(completed=True), (1, "all_reduce 'done'"), start)
+    watch.add(_Work(completed=False), (2, "all_reduce 'stuck'"), start)
+    assert owner.called.wait(5)
+    assert owner.overdue == [((2, "all_reduce 'stuck'"), start)]
+    assert time.monotonic() - start < 2
+
+
+def test_completed_collectives_are_never_reported_and_the_watch_stops() -> None:
+    owner = _Owner()
+    watch = _StreamWatch(weakref.WeakMethod(owner.on_overdue), timeout=0.2)
+    work = _Work(completed=False)
+    watch.add(work, (1, "broadcast 'x'"), time.monotonic())
+    work.completed = True  # finished before the deadline
+    time.sleep(0.6)  # the deadline passes with nothing running
+    watch.stop()
+    assert owner.overdue == []
+
+
+def test_nccl_groups_time_out_after_the_library_has_named_the_missing_ranks() -> None:
+    assert nccl_group_timeout(60).total_seconds() > 60 + 10
+
+
+def test_two_ranks_claiming_one_gpu_are_both_named_before_nccl_starts() -> None:
+    store = torch.distributed.HashStore()
+    identities = ["host/GPU-a", "host/GPU-b", "host/GPU-a"]
+    errors: list[BaseException | None] = [None] * 3
+
+    def rank(r: int) -> None:
+        try:
+            check_distinct_devices(store, r, 3, identities[r], timeout_seconds=10)
+        except BaseException as e:
+            errors[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    for error in errors:
+        assert isinstance(error, InvalidArgumentError)
+        assert "ranks 0 and 2 both use GPU 'host/GPU-a'" in str(error)
+
+
+def test_ranks_on_distinct_gpus_pass_the_device_check() -> None:
+    store = torch.distributed.HashStore()
+    threads = [
+        threading.Thread(target=check_distinct_devices, args=(store, r, 2, f"host/GPU-{r}", 10))
+        for r in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert store.get("device/1") == b"host/GPU-1"
