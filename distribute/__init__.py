@@ -21,8 +21,9 @@ Example:
 
 from __future__ import annotations
 
-from distribute import cluster_resolver, data, errors, experimental, gradients, values
+from distribute import checkpoint, cluster_resolver, data, errors, experimental, gradients, values
 from distribute._enums import ReduceOp, VariableAggregation, VariableSynchronization
+from distribute.checkpoint import Checkpoint, CheckpointManager, RNGState
 from distribute.collectives.cross_device_ops import (
     CrossDeviceOps,
     HierarchicalCopyAllReduce,
@@ -62,6 +63,8 @@ from distribute.variables import (
 __all__ = [
     "AutoShardPolicy",
     "CentralStorageStrategy",
+    "Checkpoint",
+    "CheckpointManager",
     "CrossDeviceOps",
     "DistributedDataset",
     "DistributedIterator",
@@ -79,6 +82,7 @@ __all__ = [
     "NcclAllReduce",
     "OneDeviceStrategy",
     "PerReplica",
+    "RNGState",
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaContext",
@@ -88,6 +92,7 @@ __all__ = [
     "Variable",
     "VariableAggregation",
     "VariableSynchronization",
+    "checkpoint",
     "cluster_resolver",
     "compute_average_loss",
     "data",

@@ -8,6 +8,7 @@ The training step is written once; only the strategy object changes:
     python examples/train_digits.py --strategy mirrored --replicas 4  # 4 logical CPU replicas
     python examples/train_digits.py --strategy central_storage --replicas 2
     torchrun --nproc_per_node=2 examples/train_digits.py --strategy multi_worker
+    python examples/train_digits.py --checkpoint-dir /tmp/digits  # stop it, run again: resumes
 
 The data (1,797 8x8 images) ships with scikit-learn: nothing is downloaded.
 """
@@ -91,6 +92,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="save here every --checkpoint-every steps and at each epoch's end; "
+        "started again, training resumes from the latest checkpoint",
+    )
+    parser.add_argument("--checkpoint-every", type=int, default=5)
     args = parser.parse_args(argv)
 
     strategy = make_strategy(args.strategy, args.replicas, args.device)
@@ -142,15 +150,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     train_dist = strategy.experimental_distribute_dataset(train_loader)
     test_dist = strategy.experimental_distribute_dataset(test_loader)
     steps = len(train_loader)
+    # What a resumed run needs: the weights, the optimizer's moments, where the
+    # input is (epoch, batch, shuffle), the random generators, and the epoch.
+    checkpoint = ds.Checkpoint(model=model, optimizer=optimizer, rng=ds.RNGState(), epoch=0)
+    manager = None
+    if args.checkpoint_dir:
+        manager = ds.CheckpointManager(checkpoint, args.checkpoint_dir, max_to_keep=3)
+        if manager.latest_checkpoint:
+            checkpoint.restore(manager.latest_checkpoint)  # `data` is placed when attached
+            if show:
+                sys.stderr.write(f"resumed from {manager.latest_checkpoint}\n")
     history = []
     start = time.perf_counter()
-    for epoch in range(args.epochs):
+    checkpoint.data = batches = iter(train_dist)  # at the saved batch after a resume
+    for epoch in range(checkpoint.epoch, args.epochs):
         total, n = 0.0, 0
-        for step, batch in enumerate(train_dist, start=1):
+        for batch in batches:
             loss = strategy.reduce("sum", strategy.run(train_step, args=(batch,)), axis=None)
             total, n = total + float(loss), n + 1
+            if manager is not None and batches.steps % args.checkpoint_every == 0:
+                manager.save()
             if show:
-                progress(epoch, args.epochs, step, steps, total / n, start)
+                progress(epoch, args.epochs, batches.steps, steps, total / n, start)
+        checkpoint.epoch = epoch + 1
+        checkpoint.data = batches = iter(train_dist)  # saved at the next epoch's start
+        if manager is not None:
+            manager.save()
         with strategy.scope():
             correct.assign(0)
             seen.assign(0)
@@ -160,6 +185,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             accuracy = float(correct.read_value()) / max(float(seen.read_value()), 1.0)
             examples = int(seen.read_value())
         history.append({"epoch": epoch + 1, "loss": total / max(n, 1), "test_accuracy": accuracy})
+    if not history:
+        raise SystemExit(f"nothing to train: the checkpoint already finished {args.epochs} epochs")
         if show:
             sys.stderr.write(f"  test accuracy {accuracy:.2%} ({examples} examples)\n")
     result = {

@@ -45,7 +45,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 from torch.utils.data.distributed import DistributedSampler
 
 from distribute import context
-from distribute.data import sharding
+from distribute.data import _position, sharding
 from distribute.data.options import (
     AutoShardPolicy,
     InputContext,
@@ -714,7 +714,8 @@ def _rebuild_loader(loader: DataLoader[Any], **overrides: Any) -> DataLoader[Any
     if loader.num_workers > 0:
         settings["prefetch_factor"] = loader.prefetch_factor
     settings.update(overrides)
-    return DataLoader(**settings)
+    # A StatefulDataLoader stays one, so that its position can be checkpointed.
+    return type(loader)(**settings) if _position.is_stateful(loader) else DataLoader(**settings)
 
 
 # -- sources: what one worker reads -----------------------------------------------------
@@ -973,7 +974,8 @@ class DistributedIterator:
         # An empty batch of the data's structure, as (structure, leaves).
         self._template: tuple[Any, list[Any]] | None = None
         self._spec_batch_dim = spec_batch_dim
-        self._buffer: collections.deque[_Step] = collections.deque()
+        # Steps read ahead, each with the loader's state after it (NOTE [input position]).
+        self._buffer: collections.deque[tuple[_Step, Any]] = collections.deque()
         self._depth = options.experimental_per_replica_buffer_size if prefetch else 0
         self._cpu_only = workers.cpu_only
         self._done = False
@@ -983,6 +985,14 @@ class DistributedIterator:
         self._horizon: int | None = None  # steps every worker is known to have
         self._taken = 0
         self._copies = _CopyStreams()
+        # NOTE [input position]: set by the dataset that made this iterator.
+        self._owner: Any = None
+        self._epoch = 0
+        self._random_state: dict[str, Any] | None = None
+        self._loader: Any = None  # a StatefulDataLoader, whose state is the position
+        self._draws: _position.RecordedDraws | None = None
+        self._steps = 0
+        self._position: Any = None  # the loader's state after the last step handed out
 
     def __iter__(self) -> DistributedIterator:
         return self
@@ -993,20 +1003,90 @@ class DistributedIterator:
             value = self._direct()
             if self._template is None:  # for element_spec: the first step's structure
                 self._template = _template_of(select_replica(0, value))
+            self._steps += 1
             return value
         if not self._buffer:
             step = self._prepare()
             if step is None:
                 raise StopIteration
-            self._buffer.append(step)
-        step = self._buffer.popleft()
+            self._buffer.append((step, self._snapshot()))
+        step, position = self._buffer.popleft()
         while len(self._buffer) < self._depth:
             ahead = self._prepare()
             if ahead is None:
                 break
-            self._buffer.append(ahead)
+            self._buffer.append((ahead, self._snapshot()))
         self._copies.wait(step)
+        self._steps += 1
+        self._position = position
         return step.value()
+
+    @property
+    def steps(self) -> int:
+        """Global steps handed out in this epoch (counting those before a restore)."""
+        return self._steps
+
+    def _snapshot(self) -> Any:
+        return self._loader.state_dict() if self._loader is not None else None
+
+    # -- position (NOTE [input position]) ------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this iterator is: the epoch, the global steps handed out, and the
+        loader's state or the random state its epoch started from.
+
+        Raises:
+            InvalidArgumentError: the data is a Python iterator or generator, which
+                cannot start again: pass a DataLoader (or torchdata's
+                StatefulDataLoader) to checkpoint the input position.
+        """
+        if self._owner is None or self._random_state is None:
+            raise InvalidArgumentError(
+                "this iterator's position cannot be saved: its data is a Python iterator or "
+                "generator, which cannot start again at a given batch. Pass a DataLoader (or "
+                "torchdata's StatefulDataLoader, which resumes without reading the batches "
+                "before), or leave the iterator out of the checkpoint"
+            )
+        position = self._snapshot() if self._direct is not None else self._position
+        return {
+            "epoch": self._epoch,
+            "steps": self._steps,
+            "loader": position,
+            "random_state": self._random_state,
+            "first_draw": self._draws.state() if self._draws is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Moves this iterator to ``state`` (from `state_dict`): the next step is the
+        one after the last step handed out when it was saved, with the same shuffle."""
+        owner = self._owner
+        if owner is None:
+            raise InvalidArgumentError(
+                "this iterator's position cannot be restored: its data is a Python iterator "
+                "or generator; pass a DataLoader"
+            )
+        owner._epoch = int(state["epoch"]) - 1  # the next iter() starts that epoch
+        steps = int(state["steps"])
+        # Making this iterator drew from torch's generator (a DataLoader iterator draws
+        # its base seed); it stands in for the saved one, whose draws were made before
+        # the save, so torch's generator goes back to before this one was made.
+        before_this = self._random_state["cpu"] if self._random_state is not None else None
+        if state.get("loader") is not None and self._loader is not None:
+            self._loader.load_state_dict(state["loader"])
+            fresh = iter(owner)
+            fresh._taken = fresh._steps = steps
+            fresh._random_state = state["random_state"]
+        else:
+            generators = owner._generators()
+            with _position.replayed_random_state(state["random_state"], generators):
+                if hasattr(owner, "_replay_first_draw"):
+                    owner._replay_first_draw = state.get("first_draw")
+                fresh = iter(owner)
+                for _ in range(steps):  # the same shuffle; their data is read again
+                    next(fresh)
+        self.__dict__.update(fresh.__dict__)
+        if before_this is not None:
+            torch.set_rng_state(before_this)
 
     def get_next(self) -> Any:
         """The next step's element; raises `StopIteration` at the end of data."""
@@ -1151,6 +1231,7 @@ class DistributedDataset:
             )
         )
         self._epoch = -1
+        self._replay_first_draw: dict[str, Any] | None = None  # NOTE [input position]
 
     def __iter__(self) -> DistributedIterator:
         self._epoch += 1
@@ -1162,7 +1243,14 @@ class DistributedDataset:
                 "list, or an object whose __iter__ starts over) for several epochs",
                 stacklevel=2,
             )
-        batches = self._source.batches(self._epoch)
+        positionable = not isinstance(self._dataset, Iterator)
+        generators = self._generators()
+        random_state = _position.random_state(generators) if positionable else None
+        draws = _position.RecordedDraws(
+            self._source.batches(self._epoch), generators, replay=self._replay_first_draw
+        )
+        self._replay_first_draw = None
+        batches: Iterator[Any] = draws
         workers = self._workers
         slice_global = self._source.slice_global
         local = workers.local_replicas
@@ -1254,7 +1342,7 @@ class DistributedDataset:
             sizes = _split_sizes(size, local)
             return type(batch)([PerReplica(x.split_with_sizes(sizes)) for x in batch])
 
-        return DistributedIterator(
+        iterator = DistributedIterator(
             read,
             workers,
             self._options,
@@ -1264,6 +1352,18 @@ class DistributedDataset:
             direct=direct if workers.num_workers == 1 and (workers.cpu_only or not fetch) else None,
             known_steps=None if every_worker_reads_all else self._source.known_steps,
         )
+        if positionable:
+            iterator._owner = self
+            iterator._epoch = self._epoch
+            iterator._random_state = random_state
+            iterator._draws = draws
+            loader = self._source.iterable
+            iterator._loader = loader if _position.is_stateful(loader) else None
+        return iterator
+
+    def _generators(self) -> list[torch.Generator]:
+        """The generators an epoch's shuffle draws from (NOTE [input position])."""
+        return _position.generators_of(self._source.iterable)
 
     def _batch_dim(self) -> int | None:
         loader = self._dataset
@@ -1355,6 +1455,8 @@ class DistributedDatasetsFromFunction:
         for pipeline in self._pipelines:
             _set_epoch(getattr(pipeline, "sampler", None), self._epoch)
             _set_epoch(getattr(pipeline, "batch_sampler", None), self._epoch)
+        positionable = not any(isinstance(p, _Replay) for p in self._pipelines)
+        random_state = _position.random_state(self._generators()) if positionable else None
         iterators = [iter(p) for p in self._pipelines]
         done = [False] * len(iterators)
         local = self._workers.local_replicas
@@ -1387,9 +1489,23 @@ class DistributedDatasetsFromFunction:
             nest = first if local == 1 else None
             return _Step(first, columns, local, missing=missing, nest=nest)
 
-        return DistributedIterator(
+        iterator = DistributedIterator(
             read, self._workers, self._options, self._template, None, prefetch=False
         )
+        if positionable:
+            iterator._owner = self
+            iterator._epoch = self._epoch
+            iterator._random_state = random_state
+        return iterator
+
+    def _generators(self) -> list[torch.Generator]:
+        """The generators an epoch of the pipelines draws from (NOTE [input position])."""
+        found: list[torch.Generator] = []
+        for pipeline in self._pipelines:
+            found += [
+                g for g in _position.generators_of(pipeline) if all(g is not f for f in found)
+            ]
+        return found
 
     def _template(self) -> Any:
         for p in self._pipelines:

@@ -53,3 +53,19 @@ def test_every_strategy_matches_the_default_strategy(
     result = example.main([*argv, "--epochs", "2", "--quiet"])
     assert result["final_loss"] == pytest.approx(reference["final_loss"], rel=1e-5, abs=1e-6)
     assert result["test_accuracy"] == pytest.approx(reference["test_accuracy"], abs=1e-9)
+
+
+def test_a_run_stopped_and_started_again_with_a_checkpoint_dir_continues_exactly(
+    example: ModuleType, tmp_path: Path
+) -> None:
+    """`--checkpoint-dir`: a run of 2 epochs, then the same command asking for 3,
+    ends where an uninterrupted 3-epoch run ends, bit for bit (weights, optimizer,
+    input position and shuffle, generators)."""
+    common = ["--strategy", "mirrored", "--quiet", "--checkpoint-dir", str(tmp_path)]
+    example.main([*common, "--epochs", "2"])
+    resumed = example.main([*common, "--epochs", "3"])
+    straight = example.main(["--strategy", "mirrored", "--quiet", "--epochs", "3"])
+    assert resumed["final_loss"] == straight["final_loss"]
+    assert resumed["test_accuracy"] == straight["test_accuracy"]
+    with pytest.raises(SystemExit, match="already finished 3 epochs"):
+        example.main([*common, "--epochs", "3"])

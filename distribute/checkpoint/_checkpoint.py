@@ -1,0 +1,351 @@
+"""`Checkpoint` and `CheckpointManager`: tf.train's API over torch.distributed.checkpoint.
+
+See NOTE [checkpoint format] for what is on disk. Every worker of a multi-worker
+strategy calls `save` and `restore` (as in TF): each writes its share of the
+tensors through `torch.distributed.checkpoint`, which writes a value that every
+worker holds (a mirrored variable) once. Before anything is written the workers
+check that all of them are saving the same path, so a save called on one rank
+alone raises (naming the others and what they are doing) instead of hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from distribute.checkpoint._format import (
+    FORMAT,
+    MANIFEST,
+    PARTIAL,
+    VERSION,
+    CheckpointError,
+    commit,
+    files_with_sizes,
+    flatten,
+    prepare_partial,
+    read_json,
+    read_manifest,
+    templates,
+    unflatten,
+    write_json,
+)
+from distribute.checkpoint._objects import RNGState, apply_state, capture_state, is_per_worker
+from distribute.errors import InvalidArgumentError
+from distribute.variables import DistributedVariable
+
+__all__ = ["Checkpoint", "CheckpointManager"]
+
+
+class _Collectives(Protocol):
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def check_same(self, signature: Any, *, name: str) -> None: ...
+
+    def barrier(self, name: str) -> None: ...
+
+
+def _variables_of(obj: Any) -> list[DistributedVariable]:
+    if isinstance(obj, DistributedVariable):
+        return [obj]
+    if isinstance(obj, torch.nn.Module):
+        return [
+            v for v in obj.state_dict(keep_vars=True).values() if isinstance(v, DistributedVariable)
+        ]
+    if isinstance(obj, torch.optim.Optimizer):
+        return [
+            p for g in obj.param_groups for p in g["params"] if isinstance(p, DistributedVariable)
+        ]
+    return []
+
+
+class Checkpoint:
+    """Saves and restores modules, optimizers, input positions, tensors and numbers.
+
+    A checkpoint holds one logical value per variable, whatever the strategy that
+    wrote it, so it restores under any other strategy and world size (optimizer
+    state included). Under a multi-worker strategy every worker calls `save` and
+    `restore`. Writes are atomic: a process killed during `save` leaves the
+    previous checkpoint intact.
+
+    Args:
+        **objects: what to save, by name: ``torch.nn.Module``, ``torch.optim``
+            optimizers, distributed iterators (their position in the data), plain
+            or distributed tensors, ints/floats/strings (read back as attributes:
+            ``ckpt.step``), `ds.RNGState()`, and any object with ``state_dict`` and
+            ``load_state_dict`` (LR schedulers, `ds.GradScaler`).
+
+    Example:
+        >>> import torch, tempfile, distribute as ds
+        >>> model = torch.nn.Linear(2, 1)
+        >>> ckpt = ds.Checkpoint(model=model, step=3)
+        >>> path = ckpt.save(tempfile.mkdtemp() + "/ckpt")      # ".../ckpt-1"
+        >>> ckpt.step = 0
+        >>> ckpt.restore(path).step
+        3
+    """
+
+    def __init__(self, **objects: Any) -> None:
+        object.__setattr__(self, "_objects", dict(objects))
+        object.__setattr__(self, "_pending", {})
+        object.__setattr__(self, "save_counter", 0)
+
+    # -- attributes: the objects, and deferred restores ---------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        objects = self.__dict__["_objects"]
+        if name in objects:
+            return objects[name]
+        raise AttributeError(f"Checkpoint has no object {name!r}; it has {sorted(objects)}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "save_counter":
+            object.__setattr__(self, name, value)
+            return
+        self._objects[name] = value
+        pending = self._pending.pop(name, None)
+        if pending is not None:  # restored before this object was attached
+            self._objects[name] = apply_state(name, value, pending)
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def save(self, file_prefix: str | Path) -> str:
+        """Writes a numbered checkpoint ``<file_prefix>-<n>`` and returns its path.
+
+        ``n`` is `save_counter` after it is incremented (1 for the first save).
+        Every worker of a multi-worker strategy must call it.
+        """
+        self.save_counter += 1
+        return self.write(f"{file_prefix}-{self.save_counter}")
+
+    def write(self, file_path: str | Path) -> str:
+        """Writes a checkpoint at exactly ``file_path`` (a directory); returns the path.
+
+        Raises:
+            CollectiveMismatchError: the workers are not all saving this path.
+            CollectiveTimeoutError: a worker never called save (it is named).
+        """
+        path = Path(file_path)
+        workers = self._workers()
+        rank = workers.rank if workers is not None else 0
+        world_size = workers.world_size if workers is not None else 1
+        if workers is not None:
+            workers.check_same(("checkpoint save", str(path.resolve())), name="checkpoint save")
+        if rank == 0:
+            prepare_partial(path)
+        if workers is not None:
+            workers.barrier("checkpoint directory made")
+        partial = path.with_name(path.name + PARTIAL)
+        tensors: dict[str, torch.Tensor] = {}
+        shared: dict[str, Any] = {}
+        own: dict[str, Any] = {}
+        for name, obj in self._objects.items():
+            state = capture_state(name, obj)
+            if is_per_worker(obj):
+                own[name] = flatten(f"rank{rank}/{name}", state, tensors)
+            else:
+                shared[name] = flatten(name, state, tensors)
+        with _quiet_single_process():
+            dcp_save(
+                {k: v.contiguous() for k, v in tensors.items()},
+                storage_writer=FileSystemWriter(partial, sync_files=False),
+                no_dist=world_size == 1,
+            )
+        write_json(partial / f"rank-{rank}.json", {"objects": own})
+        if workers is not None:
+            workers.barrier("checkpoint files written")
+        if rank == 0:
+            manifest = {
+                "format": FORMAT,
+                "version": VERSION,
+                "save_counter": self.save_counter,
+                "world_size": world_size,
+                "objects": shared,
+                "files": files_with_sizes(partial),
+            }
+            write_json(partial / MANIFEST, manifest)
+            commit(path)
+        if workers is not None:
+            workers.barrier("checkpoint committed")
+        return str(path)
+
+    # -- restoring ------------------------------------------------------------------------
+
+    def restore(self, save_path: str | Path) -> Checkpoint:
+        """Restores every object from the checkpoint at ``save_path``; returns self.
+
+        Objects not attached yet are restored when they are (``ckpt.model = model``
+        after `restore`). Per-worker state (RNG, input position) is restored on
+        the workers whose rank the checkpoint has.
+
+        Raises:
+            CheckpointError: the path is not a complete checkpoint (names the file).
+            InvalidArgumentError: a module or tensor does not fit the saved value.
+        """
+        path = Path(save_path)
+        workers = self._workers()
+        rank = workers.rank if workers is not None else 0
+        world_size = workers.world_size if workers is not None else 1
+        if workers is not None:
+            workers.check_same(
+                ("checkpoint restore", str(path.resolve())), name="checkpoint restore"
+            )
+        manifest = read_manifest(path)
+        skeletons: dict[str, Any] = dict(manifest["objects"])
+        own_file = f"rank-{rank}.json"
+        if own_file in manifest["files"]:  # else (a larger world): this rank starts anew
+            skeletons.update(read_json(path / own_file, "a worker's state")["objects"])
+        wanted = dict(templates(skeletons))
+        try:
+            with _quiet_single_process():
+                dcp_load(wanted, storage_reader=FileSystemReader(path), no_dist=world_size == 1)
+        except Exception as e:  # torch's errors do not say which checkpoint
+            raise CheckpointError(f"reading the tensors of checkpoint {path} failed: {e}") from e
+        object.__setattr__(self, "save_counter", int(manifest.get("save_counter", 0)))
+        # Generators last: placing an input position draws from them.
+        order = sorted(skeletons, key=lambda n: isinstance(self._objects.get(n), RNGState))
+        for name in order:
+            skeleton = skeletons[name]
+            state = unflatten(skeleton, wanted)
+            if name in self._objects:
+                self._objects[name] = apply_state(name, self._objects[name], state)
+            elif state is None or isinstance(state, (bool, int, float, str)):
+                self._objects[name] = state  # a plain value needs no object to go into
+            else:
+                self._pending[name] = state
+        return self
+
+    read = restore
+
+    def _workers(self) -> _Collectives | None:
+        """The multi-worker collectives of the strategy the objects belong to, if any."""
+        for obj in self._objects.values():
+            for var in _variables_of(obj):
+                cross = getattr(var._ds_strategy.extended, "_cross_worker", None)
+                if cross is not None:
+                    return cross  # type: ignore[no-any-return]
+                break
+        return None
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """Silences DCP's warning that it runs in one process: that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        yield
+
+
+_NUMBERED = re.compile(r"-(\d+)$")
+_INDEX = "checkpoint.json"
+
+
+class CheckpointManager:
+    """Keeps the last ``max_to_keep`` numbered checkpoints in ``directory``.
+
+    The list of kept checkpoints lives in ``<directory>/checkpoint.json``, written
+    atomically after each save, so a process started again (after a crash, too)
+    finds `latest_checkpoint`.
+
+    Args:
+        checkpoint: the `Checkpoint` to save.
+        directory: where checkpoints go (created if missing).
+        max_to_keep: how many to keep (None: all).
+        checkpoint_name: the prefix of each checkpoint's name.
+
+    Example:
+        >>> import torch, tempfile, distribute as ds
+        >>> manager = ds.CheckpointManager(ds.Checkpoint(step=1), tempfile.mkdtemp(), 2)
+        >>> for _ in range(3):
+        ...     _ = manager.save()
+        >>> [p.rsplit("/", 1)[1] for p in manager.checkpoints]
+        ['ckpt-2', 'ckpt-3']
+    """
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        directory: str | Path,
+        max_to_keep: int | None = 5,
+        checkpoint_name: str = "ckpt",
+    ) -> None:
+        if max_to_keep is not None and max_to_keep < 1:
+            raise InvalidArgumentError(f"max_to_keep must be at least 1 or None, got {max_to_keep}")
+        self._checkpoint = checkpoint
+        self._directory = Path(directory)
+        self._max_to_keep = max_to_keep
+        self._name = checkpoint_name
+        self._directory.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def directory(self) -> str:
+        """Where the checkpoints are."""
+        return str(self._directory)
+
+    @property
+    def checkpoints(self) -> list[str]:
+        """The kept checkpoints' paths, oldest first."""
+        return [str(self._directory / name) for name in self._kept()]
+
+    @property
+    def latest_checkpoint(self) -> str | None:
+        """The newest complete checkpoint's path, or None."""
+        kept = self._kept()
+        return str(self._directory / kept[-1]) if kept else None
+
+    def save(self, checkpoint_number: int | None = None) -> str:
+        """Saves a new checkpoint (every worker calls it); returns its path.
+
+        ``checkpoint_number`` names it (``ckpt-<n>``); by default the checkpoint's
+        `save_counter` after incrementing it.
+        """
+        checkpoint = self._checkpoint
+        checkpoint.save_counter += 1
+        number = checkpoint_number if checkpoint_number is not None else checkpoint.save_counter
+        path = checkpoint.write(self._directory / f"{self._name}-{number}")
+        workers = checkpoint._workers()
+        if workers is None or workers.rank == 0:
+            kept = [n for n in self._kept() if n != Path(path).name] + [Path(path).name]
+            dropped = []
+            if self._max_to_keep is not None and len(kept) > self._max_to_keep:
+                dropped, kept = kept[: -self._max_to_keep], kept[-self._max_to_keep :]
+            write_json(self._directory / _INDEX, {"checkpoints": kept})
+            for name in dropped:
+                _remove(self._directory / name)
+        if workers is not None:
+            workers.barrier("checkpoint index written")
+        return path
+
+    def _kept(self) -> list[str]:
+        """The kept names from the index, else from the complete checkpoints found."""
+        index = self._directory / _INDEX
+        if index.exists():
+            try:
+                names = list(json.loads(index.read_text())["checkpoints"])
+            except (ValueError, KeyError, TypeError):
+                names = []
+            return [n for n in names if (self._directory / n / MANIFEST).exists()]
+        found = [
+            p.name
+            for p in self._directory.iterdir()
+            if p.is_dir() and _NUMBERED.search(p.name) and (p / MANIFEST).exists()
+        ]
+        return sorted(found, key=lambda n: int(_NUMBERED.search(n).group(1)))  # type: ignore[union-attr]
+
+
+def _remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,140 @@
+"""What a checkpoint stores of each kind of object, and how it is put back.
+
+Every value is *logical*: a `MirroredVariable` is its one value (not one per
+replica), a `SyncOnReadVariable` its aggregate, an optimizer's per-replica state
+replica 0's (every replica's is the same: they apply identical updates). Writing
+back goes through each variable's cross-replica ``assign``, which sets every
+replica's copy on every worker.
+
+Per-worker values (RNG state, the input position) are kept per rank: they
+differ between workers and mean nothing to another worker.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from distribute.errors import InvalidArgumentError
+from distribute.variables import DistributedVariable
+
+__all__ = ["RNGState", "apply_state", "capture_state", "is_per_worker"]
+
+
+class RNGState:
+    """The random number generators of this worker, for a `ds.Checkpoint`.
+
+    Saves and restores torch's CPU generator, every CUDA device's generator,
+    Python's `random` and NumPy's global generator, per worker, so that dropout and
+    shuffling draw the same numbers after a resume as in an uninterrupted run.
+
+    Example:
+        >>> import distribute as ds
+        >>> ckpt = ds.Checkpoint(rng=ds.RNGState())
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        """The generators' states (tensors, and Python's state as numbers)."""
+        version, internal, gauss = random.getstate()
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        state: dict[str, Any] = {
+            "torch_cpu": torch.get_rng_state(),
+            "python": [version, list(internal), gauss],
+            "numpy": [kind, torch.from_numpy(np.asarray(keys).copy()), pos, has_gauss, cached],
+        }
+        if torch.cuda.is_available():
+            state["torch_cuda"] = list(torch.cuda.get_rng_state_all())
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Sets the generators to ``state`` (CUDA devices beyond those saved are left)."""
+        torch.set_rng_state(state["torch_cpu"])
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.numpy(), pos, has_gauss, cached))
+        cuda = state.get("torch_cuda")
+        if cuda and torch.cuda.is_available():
+            for device, generator in enumerate(cuda[: torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(generator, device)
+
+
+def is_per_worker(obj: Any) -> bool:
+    """Whether ``obj``'s state is this worker's own (RNG, the input position)."""
+    from distribute.data.dataset import DistributedIterator
+
+    return isinstance(obj, (RNGState, DistributedIterator))
+
+
+def _logical(value: torch.Tensor) -> torch.Tensor:
+    if isinstance(value, DistributedVariable):
+        return value._cross_replica_value().detach()
+    return value.detach()
+
+
+def capture_state(name: str, obj: Any) -> Any:
+    """The state of ``obj`` to store (a nest of tensors and plain values)."""
+    if isinstance(obj, torch.nn.Module):
+        return {k: _logical(v) for k, v in obj.state_dict(keep_vars=True).items()}
+    if isinstance(obj, torch.Tensor):
+        return _logical(obj)
+    if isinstance(obj, (bool, int, float, str)) or obj is None:
+        return obj
+    state_dict = getattr(obj, "state_dict", None)
+    if callable(state_dict) and callable(getattr(obj, "load_state_dict", None)):
+        return state_dict()
+    raise InvalidArgumentError(
+        f"ds.Checkpoint cannot save {name!r}, a {type(obj).__name__}: it takes modules, "
+        "optimizers, distributed iterators, tensors, numbers, strings, ds.RNGState() and "
+        "objects with state_dict() and load_state_dict()"
+    )
+
+
+def apply_state(name: str, obj: Any, state: Any) -> Any:
+    """Puts ``state`` back into ``obj``; returns the object to keep (a new plain value)."""
+    if isinstance(obj, torch.nn.Module):
+        _load_module(name, obj, state)
+        return obj
+    if isinstance(obj, torch.Tensor):
+        _write_tensor(name, obj, state)
+        return obj
+    if isinstance(obj, (bool, int, float, str)) or obj is None:
+        return state
+    obj.load_state_dict(state)
+    return obj
+
+
+def _load_module(name: str, module: torch.nn.Module, state: dict[str, Any]) -> None:
+    targets = module.state_dict(keep_vars=True)
+    missing = sorted(set(targets) - set(state))
+    unexpected = sorted(set(state) - set(targets))
+    if missing or unexpected:
+        raise InvalidArgumentError(
+            f"the checkpoint's {name!r} does not fit the module: missing from the checkpoint "
+            f"{missing or 'nothing'}, not in the module {unexpected or 'nothing'}; build the "
+            "same model before restoring"
+        )
+    for key, target in targets.items():
+        value = state[key]
+        if isinstance(target, torch.Tensor):
+            _write_tensor(f"{name}/{key}", target, value)
+        else:  # `_extra_state`
+            prefix, _, _ = key.rpartition(".")
+            module.get_submodule(prefix).set_extra_state(value)
+
+
+def _write_tensor(name: str, target: torch.Tensor, value: Any) -> None:
+    if not isinstance(value, torch.Tensor) or value.shape != target.shape:
+        found = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise InvalidArgumentError(
+            f"the checkpoint's {name!r} has shape {found} but the object here has "
+            f"{tuple(target.shape)}; build the same model before restoring"
+        )
+    if isinstance(target, DistributedVariable):
+        target.assign(value)
+        return
+    with torch.no_grad():
+        target.copy_(value)
