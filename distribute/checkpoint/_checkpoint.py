@@ -40,7 +40,13 @@ from distribute.checkpoint._format import (
     unflatten,
     write_json,
 )
-from distribute.checkpoint._objects import RNGState, apply_state, capture_state, is_per_worker
+from distribute.checkpoint._objects import (
+    RNGState,
+    apply_state,
+    capture_state,
+    direct_targets,
+    is_per_worker,
+)
 from distribute.errors import InvalidArgumentError
 from distribute.variables import DistributedVariable
 
@@ -210,6 +216,9 @@ class Checkpoint:
         if own_file in manifest["files"]:  # else (a larger world): this rank starts anew
             skeletons.update(read_json(path / own_file, "a worker's state")["objects"])
         wanted = dict(templates(skeletons))
+        for name, obj in self._objects.items():  # read straight into the live tensors
+            if name in skeletons:
+                wanted.update(direct_targets(name, obj, skeletons[name], wanted))
         try:
             with _quiet_single_process():
                 dcp_load(wanted, storage_reader=FileSystemReader(path), no_dist=world_size == 1)

@@ -18,10 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from distribute._enums import VariableSynchronization
 from distribute.errors import InvalidArgumentError
 from distribute.variables import DistributedVariable
 
-__all__ = ["RNGState", "apply_state", "capture_state", "is_per_worker"]
+__all__ = ["RNGState", "apply_state", "capture_state", "direct_targets", "is_per_worker"]
 
 
 class RNGState:
@@ -107,6 +108,38 @@ def apply_state(name: str, obj: Any, state: Any) -> Any:
     return obj
 
 
+def direct_targets(
+    name: str, obj: Any, skeleton: Any, wanted: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The live tensors of module ``obj`` that a checkpoint can be read straight into.
+
+    A mirrored variable's primary copy (the others follow from it before the
+    next `run`, as after any cross-replica write) and plain parameters and
+    buffers, where shape and dtype match; the read then needs no copy through a
+    temporary tensor. A sync-on-read variable needs `assign` (it divides a sum
+    between its copies), so it is not among them.
+    """
+    if not isinstance(obj, torch.nn.Module) or not isinstance(skeleton, dict):
+        return {}
+    direct: dict[str, torch.Tensor] = {}
+    for key, target in obj.state_dict(keep_vars=True).items():
+        entry = skeleton.get(key)
+        if not isinstance(entry, dict) or "__tensor__" not in entry:
+            continue
+        template = wanted.get(entry["__tensor__"])
+        if template is None or template.shape != target.shape or template.dtype != target.dtype:
+            continue  # left to apply_state, which names the mismatch
+        if isinstance(target, DistributedVariable):
+            if target._ds_synchronization is VariableSynchronization.ON_READ:
+                continue
+            plain = target._plain_component(0)
+        else:
+            plain = target.detach()
+        if plain.is_contiguous():
+            direct[entry["__tensor__"]] = plain
+    return direct
+
+
 def _load_module(name: str, module: torch.nn.Module, state: dict[str, Any]) -> None:
     targets = module.state_dict(keep_vars=True)
     missing = sorted(set(targets) - set(state))
@@ -133,6 +166,9 @@ def _write_tensor(name: str, target: torch.Tensor, value: Any) -> None:
             f"the checkpoint's {name!r} has shape {found} but the object here has "
             f"{tuple(target.shape)}; build the same model before restoring"
         )
+    primary = target._plain_component(0) if isinstance(target, DistributedVariable) else target
+    if value.data_ptr() == primary.data_ptr() and value.numel():
+        return  # read straight into it (`direct_targets`)
     if isinstance(target, DistributedVariable):
         target.assign(value)
         return
