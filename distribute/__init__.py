@@ -21,7 +21,16 @@ Example:
 
 from __future__ import annotations
 
-from distribute import checkpoint, cluster_resolver, data, errors, experimental, gradients, values
+from distribute import (
+    checkpoint,
+    cluster_resolver,
+    data,
+    errors,
+    experimental,
+    gradients,
+    training,
+    values,
+)
 from distribute._enums import ReduceOp, VariableAggregation, VariableSynchronization
 from distribute.checkpoint import Checkpoint, CheckpointManager, RNGState
 from distribute.collectives.cross_device_ops import (
@@ -52,6 +61,7 @@ from distribute.strategies.central_storage import CentralStorageStrategy
 from distribute.strategies.mirrored import MirroredStrategy
 from distribute.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from distribute.strategies.one_device import OneDeviceStrategy
+from distribute.training import Model, callbacks, metrics
 from distribute.values import DistributedValues, Mirrored, PerReplica
 from distribute.variables import (
     DistributedVariable,
@@ -78,6 +88,7 @@ __all__ = [
     "Mirrored",
     "MirroredStrategy",
     "MirroredVariable",
+    "Model",
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
@@ -92,6 +103,7 @@ __all__ = [
     "Variable",
     "VariableAggregation",
     "VariableSynchronization",
+    "callbacks",
     "checkpoint",
     "cluster_resolver",
     "compute_average_loss",
@@ -104,6 +116,8 @@ __all__ = [
     "gradients",
     "has_strategy",
     "in_cross_replica_context",
+    "metrics",
     "scale_regularization_loss",
+    "training",
     "values",
 ]

@@ -1,0 +1,340 @@
+"""Keras's callbacks for `ds.Model.fit` / `evaluate` / `predict`.
+
+The protocol is Keras's: ``on_{train,epoch,test,predict}_{begin,end}`` and
+``on_{train,test,predict}_batch_{begin,end}``, each with a ``logs`` dict. Every
+worker of a multi-worker strategy runs the callbacks (a checkpoint is saved by all
+of them); what writes files or prints (`CSVLogger`, `TensorBoard`, the progress
+bar) writes on the chief alone.
+
+Example:
+    >>> import distribute as ds
+    >>> stop = ds.callbacks.EarlyStopping(monitor="loss", patience=2)
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from distribute.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from distribute.training.model import Model
+
+__all__ = [
+    "BackupAndRestore",
+    "CSVLogger",
+    "Callback",
+    "CallbackList",
+    "EarlyStopping",
+    "History",
+    "LearningRateScheduler",
+    "ModelCheckpoint",
+    "TensorBoard",
+]
+
+
+class Callback:
+    """Base class: override the hooks you need. ``self.model`` and ``self.params``
+    (epochs, steps) are set before training starts."""
+
+    def __init__(self) -> None:
+        self.model: Model | None = None
+        self.params: dict[str, Any] = {}
+
+    def set_model(self, model: Model) -> None:
+        self.model = model
+
+    def set_params(self, params: dict[str, Any]) -> None:
+        self.params = params
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None: ...
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None: ...
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None: ...
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None: ...
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None: ...
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None: ...
+    def on_test_begin(self, logs: dict[str, Any] | None = None) -> None: ...
+    def on_test_end(self, logs: dict[str, Any] | None = None) -> None: ...
+    def on_test_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None: ...
+    def on_test_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None: ...
+    def on_predict_begin(self, logs: dict[str, Any] | None = None) -> None: ...
+    def on_predict_end(self, logs: dict[str, Any] | None = None) -> None: ...
+    def on_predict_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None: ...
+    def on_predict_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None: ...
+
+
+class CallbackList:
+    """Calls every callback's hook in order."""
+
+    def __init__(self, callbacks: Sequence[Callback], model: Model, params: dict[str, Any]) -> None:
+        self.callbacks = list(callbacks)
+        for callback in self.callbacks:
+            callback.set_model(model)
+            callback.set_params(params)
+
+    def __getattr__(self, hook: str) -> Callable[..., None]:
+        if not hook.startswith("on_"):
+            raise AttributeError(hook)
+
+        def call(*args: Any) -> None:
+            for callback in self.callbacks:
+                getattr(callback, hook)(*args)
+
+        return call
+
+
+class History(Callback):
+    """Records every epoch's logs: ``history.history["loss"]`` is one value per epoch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epoch: list[int] = []
+        self.history: dict[str, list[float]] = {}
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.epoch.append(epoch)
+        for key, value in (logs or {}).items():
+            self.history.setdefault(key, []).append(value)
+
+
+def _improved(mode: str, monitor: str, value: float, best: float, min_delta: float) -> bool:
+    if mode == "auto":
+        mode = "max" if "acc" in monitor or monitor.endswith("auc") else "min"
+    if mode == "min":
+        return value < best - min_delta
+    return value > best + min_delta
+
+
+def _start(mode: str, monitor: str) -> float:
+    if mode == "auto":
+        mode = "max" if "acc" in monitor or monitor.endswith("auc") else "min"
+    return math.inf if mode == "min" else -math.inf
+
+
+class EarlyStopping(Callback):
+    """Stops training when ``monitor`` has not improved for ``patience`` epochs.
+
+    Args:
+        monitor: a log name (``"val_loss"``, ``"accuracy"``...).
+        min_delta: the least change that counts as an improvement.
+        patience: epochs without improvement before stopping.
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (max for accuracies and AUC).
+        baseline: a value the monitor must beat.
+        restore_best_weights: put back the best epoch's weights when stopping.
+    """
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        min_delta: float = 0.0,
+        patience: int = 0,
+        mode: str = "auto",
+        baseline: float | None = None,
+        restore_best_weights: bool = False,
+    ) -> None:
+        super().__init__()
+        if mode not in ("auto", "min", "max"):
+            raise InvalidArgumentError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
+        self.monitor, self.min_delta, self.patience = monitor, abs(min_delta), patience
+        self.mode, self.baseline, self.restore_best_weights = mode, baseline, restore_best_weights
+        self.stopped_epoch = 0
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self.wait = 0
+        self.best = self.baseline if self.baseline is not None else _start(self.mode, self.monitor)
+        self.best_weights: dict[str, Any] | None = None
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        value = (logs or {}).get(self.monitor)
+        if value is None:
+            raise InvalidArgumentError(
+                f"EarlyStopping monitors {self.monitor!r}, which is not in the logs "
+                f"{sorted(logs or {})}; pass validation data for val_ metrics"
+            )
+        assert self.model is not None
+        if _improved(self.mode, self.monitor, value, self.best, self.min_delta):
+            self.best, self.wait = value, 0
+            if self.restore_best_weights:
+                self.best_weights = self.model._logical_state()
+            return
+        self.wait += 1
+        if self.wait >= self.patience:
+            self.stopped_epoch = epoch
+            self.model.stop_training = True
+            if self.restore_best_weights and self.best_weights is not None:
+                self.model._load_logical_state(self.best_weights)
+
+
+class LearningRateScheduler(Callback):
+    """Sets the learning rate of every parameter group to ``schedule(epoch, lr)`` at
+    the start of each epoch."""
+
+    def __init__(self, schedule: Callable[[int, float], float], verbose: int = 0) -> None:
+        super().__init__()
+        self.schedule = schedule
+        self.verbose = verbose
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        assert self.model is not None and self.model.optimizer is not None
+        groups = self.model.optimizer.param_groups
+        lr = float(self.schedule(epoch, float(groups[0]["lr"])))
+        for group in groups:
+            group["lr"] = lr
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if logs is not None and self.model is not None and self.model.optimizer is not None:
+            logs["learning_rate"] = float(self.model.optimizer.param_groups[0]["lr"])
+
+
+class ModelCheckpoint(Callback):
+    """Saves the model (with `ds.Checkpoint`) at the end of every epoch, or only when
+    ``monitor`` improved (``save_best_only``). ``filepath`` may hold ``{epoch}`` and
+    log names (``"ckpt-{epoch:02d}-{val_loss:.2f}"``); every worker saves.
+
+    ``save_weights_only=False`` also saves the optimizer."""
+
+    def __init__(
+        self,
+        filepath: str | Path,
+        monitor: str = "val_loss",
+        save_best_only: bool = False,
+        save_weights_only: bool = False,
+        mode: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.filepath, self.monitor, self.mode = str(filepath), monitor, mode
+        self.save_best_only, self.save_weights_only = save_best_only, save_weights_only
+        self.best = _start(mode, monitor)
+        self.saved: list[str] = []
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        from distribute.checkpoint import Checkpoint
+
+        logs = logs or {}
+        if self.save_best_only:
+            value = logs.get(self.monitor)
+            if value is None or not _improved(self.mode, self.monitor, value, self.best, 0.0):
+                return
+            self.best = value
+        assert self.model is not None
+        objects: dict[str, Any] = {"model": self.model}
+        if not self.save_weights_only and self.model.optimizer is not None:
+            objects["optimizer"] = self.model.optimizer
+        path = self.filepath.format(epoch=epoch + 1, **logs)
+        self.saved.append(Checkpoint(**objects, epoch=epoch + 1).write(path))
+
+
+class BackupAndRestore(Callback):
+    """Backs up the training state so that a `fit` interrupted (a killed worker, a
+    preempted machine) resumes where it stopped when run again.
+
+    Saves the model, the optimizer, the epoch, the input position and the random
+    generators in ``backup_dir`` at the end of every epoch, or every ``save_freq``
+    steps; `fit` started again restores them and goes on at that epoch and step,
+    ending with the weights of an uninterrupted run. The backup is deleted when
+    training ends (``delete_checkpoint``).
+    """
+
+    def __init__(
+        self, backup_dir: str | Path, save_freq: str | int = "epoch", delete_checkpoint: bool = True
+    ) -> None:
+        super().__init__()
+        if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq > 0):
+            raise InvalidArgumentError(
+                f"save_freq must be 'epoch' or a positive int, got {save_freq!r}"
+            )
+        self.backup_dir = Path(backup_dir)
+        self.save_freq = save_freq
+        self.delete_checkpoint = delete_checkpoint
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        from distribute.checkpoint import Checkpoint, CheckpointManager, RNGState
+
+        assert self.model is not None
+        self._checkpoint = Checkpoint(
+            model=self.model, optimizer=self.model.optimizer, rng=RNGState(), epoch=0
+        )
+        self._manager = CheckpointManager(self._checkpoint, self.backup_dir, max_to_keep=1)
+        latest = self._manager.latest_checkpoint
+        if latest is not None:
+            self._checkpoint.restore(latest)  # the input position waits for its iterator
+            self.model._initial_epoch = int(self._checkpoint.epoch)
+        self._steps = 0
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        assert self.model is not None
+        self._checkpoint.data = self.model._train_iterator  # placed after a restore
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self._steps += 1
+        if isinstance(self.save_freq, int) and self._steps % self.save_freq == 0:
+            self._manager.save()
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        assert self.model is not None
+        self._checkpoint.epoch = epoch + 1
+        self._checkpoint.data = self.model._train_iterator  # the next epoch's, at its start
+        self._manager.save()
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        if self.delete_checkpoint and self.model is not None:
+            self.model._barrier("backup deleted")
+            if self.model._is_chief:
+                shutil.rmtree(self.backup_dir, ignore_errors=True)
+
+
+class CSVLogger(Callback):
+    """Writes each epoch's logs as a row of a CSV file (on the chief)."""
+
+    def __init__(self, filename: str | Path, separator: str = ",", append: bool = False) -> None:
+        super().__init__()
+        self.filename, self.separator, self.append = Path(filename), separator, append
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if self.model is None or not self.model._is_chief:
+            return
+        row = {"epoch": epoch, **(logs or {})}
+        new = not (self.append and self.filename.exists()) and not getattr(self, "_started", False)
+        with open(self.filename, "w" if new else "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(row), delimiter=self.separator)
+            if new:
+                writer.writeheader()
+            writer.writerow(row)
+        self._started = True
+
+
+class TensorBoard(Callback):
+    """Writes each epoch's logs as scalars for TensorBoard (on the chief), through
+    ``torch.utils.tensorboard`` (install ``tensorboard``)."""
+
+    def __init__(self, log_dir: str | Path = "logs") -> None:
+        super().__init__()
+        self.log_dir = str(log_dir)
+        self._writer: Any = None
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        if self.model is None or not self.model._is_chief:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise InvalidArgumentError(
+                f"the TensorBoard callback needs the tensorboard package ({e}); "
+                "pip install 'torch-distribute[tensorboard]'"
+            ) from None
+        self._writer = SummaryWriter(self.log_dir)
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if self._writer is not None:
+            for key, value in (logs or {}).items():
+                self._writer.add_scalar(f"epoch_{key}", value, epoch)
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

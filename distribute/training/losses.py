@@ -1,0 +1,170 @@
+"""Keras's loss names as per-example PyTorch losses, and optimizer names.
+
+Every loss here returns ONE value per example (reduction happens in the model,
+over the global batch: `ds.compute_average_loss`). As in Keras, the probability
+losses take probabilities unless ``from_logits=True``; PyTorch models that end in
+a linear layer want ``ds.losses.SparseCategoricalCrossentropy(from_logits=True)``
+or ``torch.nn.CrossEntropyLoss()``.
+
+Example:
+    >>> import torch, distribute as ds
+    >>> loss = ds.training.losses.get("mse")
+    >>> loss(torch.ones(2, 3), torch.zeros(2, 3)).tolist()
+    [1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from distribute.errors import InvalidArgumentError
+
+__all__ = [
+    "BinaryCrossentropy",
+    "CategoricalCrossentropy",
+    "SparseCategoricalCrossentropy",
+    "get",
+    "get_optimizer",
+]
+
+_EPSILON = 1e-7
+#: A per-example loss: ``(y_true, y_pred) -> one value per example`` (Keras's order).
+PerExampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _per_example(values: torch.Tensor) -> torch.Tensor:
+    """The mean over every dimension but the first."""
+    return values.reshape(values.shape[0], -1).mean(1) if values.dim() > 1 else values
+
+
+def mean_squared_error(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    return _per_example((y_pred - y_true.reshape(y_pred.shape).to(y_pred.dtype)).square())
+
+
+def mean_absolute_error(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    return _per_example((y_pred - y_true.reshape(y_pred.shape).to(y_pred.dtype)).abs())
+
+
+class BinaryCrossentropy:
+    """Per-example binary cross-entropy (mean over the last dimensions)."""
+
+    def __init__(self, from_logits: bool = False) -> None:
+        self.from_logits = from_logits
+
+    def __call__(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        target = y_true.reshape(y_pred.shape).to(y_pred.dtype)
+        if self.from_logits:
+            values = F.binary_cross_entropy_with_logits(y_pred, target, reduction="none")
+        else:
+            p = y_pred.clamp(_EPSILON, 1 - _EPSILON)
+            values = -(target * p.log() + (1 - target) * (1 - p).log())
+        return _per_example(values)
+
+
+class CategoricalCrossentropy:
+    """Per-example cross-entropy against one-hot (or soft) labels."""
+
+    def __init__(self, from_logits: bool = False) -> None:
+        self.from_logits = from_logits
+
+    def __call__(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        if self.from_logits:
+            log_p = F.log_softmax(y_pred, dim=-1)
+        else:
+            p = y_pred / y_pred.sum(-1, keepdim=True)
+            log_p = p.clamp(_EPSILON, 1 - _EPSILON).log()
+        return _per_example(-(y_true.to(log_p.dtype) * log_p).sum(-1))
+
+
+class SparseCategoricalCrossentropy:
+    """Per-example cross-entropy against integer labels."""
+
+    def __init__(self, from_logits: bool = False) -> None:
+        self.from_logits = from_logits
+
+    def __call__(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        if self.from_logits:
+            log_p = F.log_softmax(y_pred, dim=-1)
+        else:
+            p = y_pred / y_pred.sum(-1, keepdim=True)
+            log_p = p.clamp(_EPSILON, 1 - _EPSILON).log()
+        labels = y_true.reshape(y_pred.shape[:-1]).long()
+        return _per_example(-log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1))
+
+
+_LOSSES: dict[str, Callable[[], PerExampleLoss]] = {
+    "mse": lambda: mean_squared_error,
+    "mean_squared_error": lambda: mean_squared_error,
+    "mae": lambda: mean_absolute_error,
+    "mean_absolute_error": lambda: mean_absolute_error,
+    "binary_crossentropy": BinaryCrossentropy,
+    "categorical_crossentropy": CategoricalCrossentropy,
+    "sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
+}
+
+
+def _torch_loss(module: torch.nn.Module) -> PerExampleLoss:
+    """A torch loss module with ``reduction="none"``, made per example."""
+    unreduced = copy.copy(module)
+    if hasattr(unreduced, "reduction"):
+        setattr(unreduced, "reduction", "none")  # noqa: B010  # torch's losses have it
+
+    def loss(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        return _per_example(unreduced(y_pred, y_true))  # torch's order: input, target
+
+    return loss
+
+
+def get(identifier: Any) -> PerExampleLoss:
+    """A per-example loss from a Keras name, a torch loss module (any reduction: it is
+    made ``"none"``) or a callable ``(y_true, y_pred) -> per-example values``."""
+    if isinstance(identifier, str):
+        factory = _LOSSES.get(identifier.lower())
+        if factory is None:
+            raise InvalidArgumentError(
+                f"unknown loss {identifier!r}; known: {sorted(_LOSSES)}, a torch loss module, "
+                "or a function of (y_true, y_pred) giving one value per example"
+            )
+        return factory()
+    if isinstance(identifier, torch.nn.Module):
+        return _torch_loss(identifier)
+    if callable(identifier):
+        return identifier  # type: ignore[no-any-return]
+    raise InvalidArgumentError(f"cannot make a loss of {identifier!r}")
+
+
+_OPTIMIZERS: dict[str, Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]] = {
+    # Keras's default learning rates.
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.01),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-3, eps=1e-7),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3, eps=1e-7, weight_decay=0.004),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, alpha=0.9, eps=1e-7),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-3, initial_accumulator_value=0.1),
+    "adamax": lambda p: torch.optim.Adamax(p, lr=1e-3, eps=1e-7),
+    "nadam": lambda p: torch.optim.NAdam(p, lr=1e-3, eps=1e-7),
+}
+
+
+def get_optimizer(identifier: Any, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """An optimizer of ``parameters`` from a Keras name (Keras's defaults), an optimizer
+    already made on them, or a callable ``parameters -> optimizer``."""
+    if isinstance(identifier, torch.optim.Optimizer):
+        return identifier
+    if isinstance(identifier, str):
+        factory = _OPTIMIZERS.get(identifier.lower())
+        if factory is None:
+            raise InvalidArgumentError(
+                f"unknown optimizer {identifier!r}; known: {sorted(_OPTIMIZERS)}, a "
+                "torch.optim optimizer, or a function of the parameters making one"
+            )
+        return factory(parameters)
+    if callable(identifier):
+        optimizer = identifier(parameters)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+    raise InvalidArgumentError(f"cannot make an optimizer of {identifier!r}")

@@ -1,0 +1,284 @@
+"""Running metrics whose state is a sync-on-read variable: exact over replicas and workers.
+
+Each metric keeps its running sums (correct predictions and examples, a total and
+a count, a confusion histogram) in ONE `SyncOnReadVariable` with SUM aggregation:
+every replica adds its batch's sums to its own copy inside ``run``, with no
+communication, and a read sums the copies of every replica of every worker. The
+result is the one a single device computes over the same examples, also with an
+uneven last batch (replicas without data add nothing).
+
+Example:
+    >>> import torch, distribute as ds
+    >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    >>> with strategy.scope():
+    ...     accuracy = ds.metrics.SparseCategoricalAccuracy()
+    >>> logits = ds.PerReplica([torch.tensor([[0.0, 1.0]]), torch.tensor([[1.0, 0.0]])])
+    >>> labels = ds.PerReplica([torch.tensor([1]), torch.tensor([1])])
+    >>> _ = strategy.run(accuracy.update_state, args=(labels, logits))
+    >>> accuracy.result()
+    0.5
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from distribute._enums import VariableAggregation, VariableSynchronization
+from distribute.errors import InvalidArgumentError
+
+__all__ = [
+    "AUC",
+    "Accuracy",
+    "BinaryAccuracy",
+    "CategoricalAccuracy",
+    "Mean",
+    "MeanAbsoluteError",
+    "MeanMetricWrapper",
+    "MeanSquaredError",
+    "Metric",
+    "SparseCategoricalAccuracy",
+    "get",
+]
+
+
+class Metric:
+    """A running metric: `update_state` inside ``run``, `result` outside it.
+
+    Subclasses say how many sums they keep (`size`), what one batch adds to them
+    (`batch_sums`), and how the totals become the result (`result_from`).
+
+    Args:
+        name: the name logs use.
+    """
+
+    size = 2
+
+    def __init__(self, name: str) -> None:
+        from distribute import variables
+
+        self.name = name
+        self.state = variables.Variable(
+            torch.zeros(self.size, dtype=torch.float64),
+            trainable=False,
+            synchronization=VariableSynchronization.ON_READ,
+            aggregation=VariableAggregation.SUM,
+        )
+
+    def batch_sums(
+        self, y_true: torch.Tensor, y_pred: torch.Tensor, sample_weight: torch.Tensor | None
+    ) -> torch.Tensor:
+        """What one batch adds to the running sums (a float64 vector of `size`)."""
+        raise NotImplementedError
+
+    def result_from(self, totals: torch.Tensor) -> float:
+        """The metric's value from the summed state."""
+        return float(totals[0] / totals[1]) if float(totals[1]) else 0.0
+
+    def update_state(
+        self, y_true: Any, y_pred: Any, sample_weight: torch.Tensor | None = None
+    ) -> None:
+        """Adds a batch (in the running replica's own copy of the state)."""
+        with torch.no_grad():
+            sums = self.batch_sums(torch.as_tensor(y_true), torch.as_tensor(y_pred), sample_weight)
+            self.state.assign_add(sums.to(torch.float64))
+
+    def local_totals(self) -> torch.Tensor:
+        """This worker's sums (its replicas' copies added), without communication."""
+        values = getattr(self.state, "values", None)
+        copies = list(values) if isinstance(values, tuple) else [self.state]
+        total = copies[0].detach().cpu().clone()
+        for copy in copies[1:]:
+            total += copy.detach().cpu()
+        return total
+
+    def result(self) -> float:
+        """The value over every replica of every worker (a cross-replica read)."""
+        return self.result_from(self.state.read_value().detach().cpu())
+
+    def reset_state(self) -> None:
+        """Zeroes the sums of every replica."""
+        values = getattr(self.state, "values", None)
+        with torch.no_grad():
+            for copy in values if isinstance(values, tuple) else (self.state,):
+                copy.zero_()
+
+
+def _weights(sample_weight: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
+    if sample_weight is None:
+        return torch.ones(n, dtype=torch.float64, device=device)
+    return torch.as_tensor(sample_weight, device=device).reshape(n, -1).double().mean(1)
+
+
+class MeanMetricWrapper(Metric):
+    """The weighted mean of ``fn(y_true, y_pred)``, one value per example."""
+
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], name: str) -> None:
+        super().__init__(name)
+        self._fn = fn
+
+    def batch_sums(
+        self, y_true: torch.Tensor, y_pred: torch.Tensor, sample_weight: torch.Tensor | None
+    ) -> torch.Tensor:
+        values = self._fn(y_true, y_pred).reshape(len(y_pred), -1).double().mean(1)
+        weights = _weights(sample_weight, len(values), values.device)
+        return torch.stack([(values * weights).sum(), weights.sum()]).cpu()
+
+
+class Mean(Metric):
+    """The weighted mean of the values given (``update_state(values)``)."""
+
+    def update_state(  # type: ignore[override]  # Keras's signature: values, weights
+        self, values: Any, sample_weight: torch.Tensor | None = None
+    ) -> None:
+        values = torch.as_tensor(values).detach().reshape(-1).double()
+        weights = _weights(sample_weight, len(values), values.device)
+        with torch.no_grad():
+            self.state.assign_add(torch.stack([(values * weights).sum(), weights.sum()]).cpu())
+
+
+def _sparse_correct(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    return (y_pred.argmax(-1) == y_true.reshape(y_pred.shape[:-1]).long()).double()
+
+
+def _categorical_correct(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    return (y_pred.argmax(-1) == y_true.argmax(-1)).double()
+
+
+def _binary_correct(y_true: torch.Tensor, y_pred: torch.Tensor, threshold: float) -> torch.Tensor:
+    return ((y_pred > threshold).to(y_true.dtype) == y_true).double()
+
+
+class SparseCategoricalAccuracy(MeanMetricWrapper):
+    """How often the largest score's index equals the integer label."""
+
+    def __init__(self, name: str = "sparse_categorical_accuracy") -> None:
+        super().__init__(_sparse_correct, name)
+
+
+class CategoricalAccuracy(MeanMetricWrapper):
+    """How often the largest score's index equals the one-hot label's."""
+
+    def __init__(self, name: str = "categorical_accuracy") -> None:
+        super().__init__(_categorical_correct, name)
+
+
+class BinaryAccuracy(MeanMetricWrapper):
+    """How often ``y_pred > threshold`` equals the 0/1 label."""
+
+    def __init__(self, name: str = "binary_accuracy", threshold: float = 0.5) -> None:
+        super().__init__(lambda t, p: _binary_correct(t, p, threshold), name)
+
+
+class Accuracy(MeanMetricWrapper):
+    """Keras's ``"accuracy"``: sparse categorical, categorical or binary accuracy,
+    chosen from the shapes of each batch (integer labels with one dimension fewer
+    than the scores: sparse; scores with one column or the labels' shape and 0/1
+    labels: binary; else categorical)."""
+
+    def __init__(self, name: str = "accuracy") -> None:
+        super().__init__(_any_accuracy, name)
+
+
+def _any_accuracy(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    if y_pred.dim() == y_true.dim() + 1 and y_pred.shape[-1] > 1:
+        return _sparse_correct(y_true, y_pred)
+    if y_pred.shape == y_true.shape and y_pred.dim() >= 2 and y_pred.shape[-1] > 1:
+        return _categorical_correct(y_true, y_pred)
+    return _binary_correct(y_true.reshape(y_pred.shape), y_pred, 0.5)
+
+
+class MeanSquaredError(MeanMetricWrapper):
+    """The mean of ``(y_true - y_pred) ** 2``."""
+
+    def __init__(self, name: str = "mean_squared_error") -> None:
+        super().__init__(lambda t, p: (p.double() - t.reshape(p.shape).double()).square(), name)
+
+
+class MeanAbsoluteError(MeanMetricWrapper):
+    """The mean of ``|y_true - y_pred|``."""
+
+    def __init__(self, name: str = "mean_absolute_error") -> None:
+        super().__init__(lambda t, p: (p.double() - t.reshape(p.shape).double()).abs(), name)
+
+
+class AUC(Metric):
+    """Area under the ROC curve of binary scores, from a confusion histogram at
+    ``num_thresholds`` thresholds (Keras's interpolation: the trapezoid rule).
+
+    The histogram's counts are sums, so the area is exact over replicas and workers.
+    """
+
+    def __init__(self, name: str = "auc", num_thresholds: int = 200) -> None:
+        if num_thresholds < 2:
+            raise InvalidArgumentError(f"num_thresholds must be >= 2, got {num_thresholds}")
+        self.thresholds = torch.cat(
+            [
+                torch.tensor([-1e-7]),
+                torch.linspace(0, 1, num_thresholds)[1:-1].double(),
+                torch.tensor([1 + 1e-7]),
+            ]
+        ).double()
+        self.size = 4 * num_thresholds
+        super().__init__(name)
+
+    def batch_sums(
+        self, y_true: torch.Tensor, y_pred: torch.Tensor, sample_weight: torch.Tensor | None
+    ) -> torch.Tensor:
+        scores = y_pred.reshape(-1).double().cpu()
+        labels = y_true.reshape(-1).double().cpu()
+        weights = _weights(sample_weight, len(scores), scores.device)
+        above = (scores[None, :] > self.thresholds[:, None]).double()
+        tp = (above * labels * weights).sum(1)
+        fp = (above * (1 - labels) * weights).sum(1)
+        fn = ((1 - above) * labels * weights).sum(1)
+        tn = ((1 - above) * (1 - labels) * weights).sum(1)
+        return torch.cat([tp, fp, fn, tn])
+
+    def result_from(self, totals: torch.Tensor) -> float:
+        tp, fp, fn, tn = totals.reshape(4, -1)
+        tpr = tp / (tp + fn).clamp_min(1e-12)
+        fpr = fp / (fp + tn).clamp_min(1e-12)
+        return float(((fpr[:-1] - fpr[1:]) * (tpr[:-1] + tpr[1:]) / 2).sum())
+
+
+_BY_NAME: dict[str, Callable[[], Metric]] = {
+    "accuracy": Accuracy,
+    "acc": Accuracy,
+    "sparse_categorical_accuracy": SparseCategoricalAccuracy,
+    "categorical_accuracy": CategoricalAccuracy,
+    "binary_accuracy": BinaryAccuracy,
+    "mse": lambda: MeanSquaredError("mse"),
+    "mean_squared_error": MeanSquaredError,
+    "mae": lambda: MeanAbsoluteError("mae"),
+    "mean_absolute_error": MeanAbsoluteError,
+    "auc": AUC,
+}
+
+
+def get(identifier: Any) -> Metric:
+    """A metric from a name (``"accuracy"``, ``"mae"``, ...), a `Metric`, or a
+    function of ``(y_true, y_pred)`` giving one value per example.
+
+    Build it inside the strategy's scope (``Model.compile`` does).
+    """
+    if isinstance(identifier, Metric):
+        return identifier
+    if isinstance(identifier, str):
+        factory = _BY_NAME.get(identifier.lower())
+        if factory is None:
+            raise InvalidArgumentError(
+                f"unknown metric {identifier!r}; known: {sorted(_BY_NAME)}, or pass a Metric "
+                "or a function of (y_true, y_pred)"
+            )
+        return factory()
+    if callable(identifier):
+        return MeanMetricWrapper(identifier, getattr(identifier, "__name__", "metric"))
+    raise InvalidArgumentError(f"cannot make a metric of {identifier!r}")
+
+
+def get_all(identifiers: Sequence[Any] | None) -> list[Metric]:
+    """`get` of each of ``identifiers`` (None: no metrics)."""
+    return [get(i) for i in identifiers or ()]

@@ -1,0 +1,464 @@
+"""`ds.Model`: Keras's compile / fit / evaluate / predict, distributed by a strategy.
+
+Build the model in ``strategy.scope()`` and that strategy runs every step::
+
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = ds.Model(torch.nn.Linear(1, 1))
+        model.compile(loss="mse", optimizer="sgd")
+    model.fit(np.ones((100, 1)), np.ones((100, 1)), epochs=2, batch_size=10)
+
+# NOTE [the fit loop]
+Each step is ``strategy.run(train_step, batch)``: the batch is the GLOBAL batch
+split by the strategy; `train_step` runs once per replica and scales its loss by
+the global batch size of that step (`compute_average_loss`), so the gradients
+summed over the replicas, and the loss summed by ``strategy.reduce``, are those of
+one device on the whole batch, partial last batch included. The epoch's loss is
+the mean of the steps' losses weighted by their batch sizes (Keras's), and the
+metrics are sync-on-read sums (`distribute.training.metrics`): every strategy
+logs the numbers of one device. `train_step`, `test_step` and `predict_step` run
+inside ``run`` and may be overridden, as in Keras.
+
+ParameterServer and TPU strategies plug in at `_run_step` (schedule the step on a
+coordinator, or mark an XLA step) when they exist.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from distribute import context
+from distribute.checkpoint._objects import apply_state, capture_state
+from distribute.errors import ContextError, InvalidArgumentError
+from distribute.losses import compute_average_loss
+from distribute.training import losses as losses_lib
+from distribute.training import metrics as metrics_lib
+from distribute.training._data import Data, adapt, local_batch_size, split_arrays, unpack
+from distribute.training._progress import ProgressBar
+from distribute.training.callbacks import Callback, CallbackList, History
+
+__all__ = ["Model"]
+
+
+class Model(torch.nn.Module):
+    """A module with Keras's training loop, distributed by the strategy it was built in.
+
+    Use it to wrap a module (``ds.Model(torch.nn.Linear(1, 1))``) or as a base class
+    (define ``forward``; override `train_step`, `test_step` or `predict_step` to
+    change a step, which then runs once per replica inside ``strategy.run``).
+
+    Args:
+        module: the network, built in the strategy's scope; None when subclassing.
+
+    Example:
+        >>> import numpy as np, torch, distribute as ds
+        >>> with ds.OneDeviceStrategy("cpu").scope():
+        ...     model = ds.Model(torch.nn.Linear(1, 1))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> history = model.fit(np.ones((8, 1)), np.ones((8, 1)), epochs=2, verbose=0)
+        >>> len(history.history["loss"])
+        2
+    """
+
+    def __init__(self, module: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        self._ds_strategy = context.get_strategy()
+        if module is not None:
+            self.module = module
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.stop_training = False
+        self.history: History | None = None
+        self._loss: Any = None
+        self._loss_weights: Any = None
+        self._metrics: list[metrics_lib.Metric] = []
+        self._steps_per_execution = 1
+        # The running step's global batch size, by replica thread (a dict pickles).
+        self._step_sizes: dict[int, int | None] = {}
+        self._initial_epoch = 0
+        self._train_iterator: Any = None
+        self._train_data: Data | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if "module" not in self._modules:
+            raise NotImplementedError(
+                "ds.Model has no network: pass one (ds.Model(module)) or subclass it and "
+                "define forward"
+            )
+        return self.module(*args, **kwargs)
+
+    @property
+    def distribute_strategy(self) -> Any:
+        """The strategy whose scope built the model; it runs every step."""
+        return self._ds_strategy
+
+    # -- compile ------------------------------------------------------------------------
+
+    def compile(
+        self,
+        optimizer: Any = "rmsprop",
+        loss: Any = None,
+        metrics: Sequence[Any] | None = None,
+        loss_weights: Sequence[float] | dict[str, float] | None = None,
+        steps_per_execution: int = 1,
+    ) -> None:
+        """Sets the optimizer, the loss and the metrics (names, as Keras's, or objects).
+
+        Args:
+            optimizer: ``"sgd"``, ``"adam"``, ``"adamw"``, ``"rmsprop"``, ... (Keras's
+                defaults), a ``torch.optim`` optimizer of the model's parameters, or a
+                function making one from them.
+            loss: a name (``"mse"``, ``"sparse_categorical_crossentropy"``, ...), a
+                torch loss module, a function ``(y_true, y_pred) -> per-example
+                losses``; a list or dict of them for several outputs.
+            metrics: names (``"accuracy"``, ``"mae"``, ``"auc"``, ...), `ds.metrics`
+                objects or functions of ``(y_true, y_pred)``.
+            loss_weights: weights of the outputs' losses.
+            steps_per_execution: batch callbacks (and the progress bar) run every
+                this many steps.
+        """
+        if steps_per_execution < 1:
+            raise InvalidArgumentError(
+                f"steps_per_execution must be >= 1, got {steps_per_execution}"
+            )
+        with self._ds_strategy.scope():
+            self.optimizer = losses_lib.get_optimizer(optimizer, list(self.parameters()))
+            self._metrics = metrics_lib.get_all(metrics)
+        if isinstance(loss, dict):
+            self._loss = {k: losses_lib.get(v) for k, v in loss.items()}
+        elif isinstance(loss, (list, tuple)):
+            self._loss = [losses_lib.get(v) for v in loss]
+        else:
+            self._loss = losses_lib.get(loss) if loss is not None else None
+        self._loss_weights = loss_weights
+        self._steps_per_execution = steps_per_execution
+
+    @property
+    def metrics_names(self) -> list[str]:
+        return ["loss", *(m.name for m in self._metrics)]
+
+    def _require_compiled(self, what: str) -> None:
+        if self.optimizer is None:
+            raise ContextError(f"call model.compile(optimizer=..., loss=...) before {what}")
+
+    # -- the steps (one call per replica, inside run) -------------------------------------
+
+    def compute_loss(
+        self, x: Any = None, y: Any = None, y_pred: Any = None, sample_weight: Any = None
+    ) -> torch.Tensor:
+        """This replica's share of the global batch's mean loss (summed over the
+        replicas it is the loss of one device on the whole batch)."""
+        if self._loss is None:
+            raise ContextError("compile the model with a loss, or override compute_loss")
+        size = self._global_batch_size(y_pred)
+        if isinstance(self._loss, dict):
+            keys = list(self._loss)
+            parts = [(self._loss[k], y[k], y_pred[k]) for k in keys]
+            weights = [(self._loss_weights or {}).get(k, 1.0) for k in keys]
+        elif isinstance(self._loss, list):
+            parts = list(zip(self._loss, y, y_pred))
+            weights = list(self._loss_weights or [1.0] * len(parts))
+        else:
+            parts, weights = [(self._loss, y, y_pred)], [1.0]
+        total: torch.Tensor | float = 0.0
+        for (fn, target, prediction), weight in zip(parts, weights):
+            per_example = fn(target, prediction)
+            total = total + weight * compute_average_loss(
+                per_example, sample_weight=sample_weight, global_batch_size=size
+            )
+        assert isinstance(total, torch.Tensor)
+        return total
+
+    def compute_metrics(self, x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> None:
+        """Adds the batch to every metric (this replica's own sums)."""
+        for metric in self._metrics:
+            prediction = y_pred.detach() if isinstance(y_pred, torch.Tensor) else y_pred
+            metric.update_state(y, prediction, sample_weight)
+
+    def train_step(self, data: Any) -> dict[str, torch.Tensor]:
+        """One replica's step: forward, loss, backward, optimizer step, metrics."""
+        x, y, sample_weight = unpack(data)
+        y_pred = self(x)
+        loss = self.compute_loss(x, y, y_pred, sample_weight)
+        loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch
+        assert self.optimizer is not None
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.compute_metrics(x, y, y_pred, sample_weight)
+        return {"loss": loss.detach()}
+
+    def test_step(self, data: Any) -> dict[str, torch.Tensor]:
+        """One replica's evaluation step: forward, loss, metrics."""
+        x, y, sample_weight = unpack(data)
+        with torch.no_grad():
+            y_pred = self(x)
+            loss = self.compute_loss(x, y, y_pred, sample_weight)
+        self.compute_metrics(x, y, y_pred, sample_weight)
+        return {"loss": loss}
+
+    def predict_step(self, data: Any) -> Any:
+        """One replica's predictions."""
+        x, _, _ = unpack(data)
+        with torch.no_grad():
+            return self(x)
+
+    def _global_batch_size(self, y_pred: Any) -> int:
+        size = self._step_sizes.get(threading.get_ident())
+        if size is not None:
+            return int(size)
+        # Unknown before the step (several workers, a loader of unknown length): sum here.
+        local = next(t for t in _leaves(y_pred) if isinstance(t, torch.Tensor)).shape[0]
+        ctx = context.get_replica_context()
+        if ctx is None or ctx.num_replicas_in_sync == 1:
+            return int(local)
+        return int(ctx.all_reduce("sum", torch.tensor(float(local))).item())
+
+    # -- running steps ----------------------------------------------------------------------
+
+    def _run_step(self, fn: Callable[[Any], Any], batch: Any, size: int | None) -> Any:
+        """Runs ``fn(batch)`` on every replica with the step's global batch size."""
+
+        def replica_fn(data: Any) -> Any:
+            thread = threading.get_ident()
+            self._step_sizes[thread] = size
+            try:
+                return fn(data)
+            finally:
+                self._step_sizes.pop(thread, None)
+
+        return self._ds_strategy.run(replica_fn, args=(batch,))
+
+    def _step_size_of(self, data: Data, step: int, batch: Any) -> int | None:
+        if data.sizes is not None and (data.steps is None or step < data.steps):
+            return data.sizes(step)
+        strategy = self._ds_strategy
+        if getattr(strategy, "num_workers", 1) == 1:
+            return local_batch_size(strategy, batch)
+        return None  # summed inside the step
+
+    def _sum_loss(self, logs: Any) -> float:
+        loss = logs["loss"] if isinstance(logs, dict) else logs
+        return float(self._ds_strategy.reduce("sum", loss, axis=None))
+
+    def _metric_logs(self) -> dict[str, float]:
+        return {m.name: m.result() for m in self._metrics}
+
+    def _reset_metrics(self) -> None:
+        for metric in self._metrics:
+            metric.reset_state()
+
+    # -- fit ------------------------------------------------------------------------------
+
+    def fit(
+        self,
+        x: Any = None,
+        y: Any = None,
+        batch_size: int | None = None,
+        epochs: int = 1,
+        verbose: str | int = "auto",
+        callbacks: Sequence[Callback] | None = None,
+        validation_split: float = 0.0,
+        validation_data: Any = None,
+        shuffle: bool = True,
+        initial_epoch: int = 0,
+        steps_per_epoch: int | None = None,
+        validation_steps: int | None = None,
+        validation_freq: int = 1,
+        sample_weight: Any = None,
+    ) -> History:
+        """Trains for ``epochs`` epochs; returns the `History` (``history["loss"]``...).
+
+        ``x`` may be arrays or tensors (with ``y``; split into global batches of
+        ``batch_size``, 32 by default, reshuffled every epoch), a DataLoader (its
+        batch size is the global batch size), a Dataset, or a distributed dataset.
+        """
+        self._require_compiled("fit")
+        if validation_split and validation_data is None:
+            (x, y, sample_weight), validation_data = split_arrays(
+                x, y, sample_weight, validation_split
+            )
+        strategy = self._ds_strategy
+        train = adapt(strategy, x, y, sample_weight, batch_size, shuffle)
+        validation = None
+        if validation_data is not None:
+            vx, vy, vw = (
+                unpack(validation_data)
+                if isinstance(validation_data, tuple)
+                else (validation_data, None, None)
+            )
+            validation = adapt(strategy, vx, vy, vw, batch_size, shuffle=False)
+        steps = steps_per_epoch or train.steps
+        history = History()
+        bar = ProgressBar(verbose, self._is_chief, "train")
+        hooks = CallbackList(
+            [history, *(callbacks or ()), bar],
+            self,
+            {"epochs": epochs, "steps": steps, "verbose": verbose},
+        )
+        self.history = history
+        self.stop_training = False
+        self._initial_epoch = initial_epoch
+        self._train_data = train
+        self._train_iterator = iter(train.dataset)
+        hooks.on_train_begin()
+        logs: dict[str, Any] = {}
+        for epoch in range(self._initial_epoch, epochs):
+            self._reset_metrics()
+            hooks.on_epoch_begin(epoch)
+            total, count = self._train_epoch(train, hooks, steps_per_epoch)
+            logs = {"loss": total / count if count else 0.0, **self._metric_logs()}
+            if validation is not None and (epoch + 1) % validation_freq == 0:
+                val = self._evaluate_data(validation, validation_steps, CallbackList([], self, {}))
+                logs.update({f"val_{k}": v for k, v in val.items()})
+            if steps_per_epoch is None or self._train_iterator is None:
+                self._train_iterator = iter(train.dataset)  # the next epoch's, not yet drawn from
+            hooks.on_epoch_end(epoch, logs)
+            if self.stop_training:
+                break
+        hooks.on_train_end(logs)
+        return history
+
+    def _train_epoch(
+        self, train: Data, hooks: CallbackList, steps_per_epoch: int | None
+    ) -> tuple[float, int]:
+        iterator = self._train_iterator
+        total, count = 0.0, 0
+        taken = 0
+        every = self._steps_per_execution
+        while steps_per_epoch is None or taken < steps_per_epoch:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                if steps_per_epoch is None:
+                    break
+                iterator = self._train_iterator = iter(train.dataset)  # go on into the next pass
+                continue
+            step = iterator.steps - 1
+            if taken % every == 0:
+                hooks.on_train_batch_begin(step)
+            size = self._step_size_of(train, step, batch)
+            loss = self._sum_loss(self._run_step(self.train_step, batch, size))
+            size = size if size is not None else local_batch_size(self._ds_strategy, batch)
+            total, count, taken = total + loss * size, count + size, taken + 1
+            if taken % every == 0:
+                hooks.on_train_batch_end(step, {"loss": total / count})
+            if self.stop_training:
+                break
+        return total, count
+
+    # -- evaluate and predict ---------------------------------------------------------------
+
+    def evaluate(
+        self,
+        x: Any = None,
+        y: Any = None,
+        batch_size: int | None = None,
+        verbose: str | int = "auto",
+        sample_weight: Any = None,
+        steps: int | None = None,
+        callbacks: Sequence[Callback] | None = None,
+        return_dict: bool = False,
+    ) -> float | list[float] | dict[str, float]:
+        """The loss (and metrics) over the data: a scalar without metrics, else a list
+        in `metrics_names` order, or a dict with ``return_dict``."""
+        self._require_compiled("evaluate")
+        data = adapt(self._ds_strategy, x, y, sample_weight, batch_size, shuffle=False)
+        bar = ProgressBar(verbose, self._is_chief, "test")
+        hooks = CallbackList([*(callbacks or ()), bar], self, {"steps": steps or data.steps})
+        logs = self._evaluate_data(data, steps, hooks)
+        if return_dict:
+            return logs
+        values = [logs[name] for name in self.metrics_names]
+        return values[0] if len(values) == 1 else values
+
+    def _evaluate_data(
+        self, data: Data, steps: int | None, hooks: CallbackList
+    ) -> dict[str, float]:
+        self._reset_metrics()
+        hooks.on_test_begin()
+        total, count = 0.0, 0
+        for step, batch in enumerate(itertools.islice(data.dataset, steps)):
+            hooks.on_test_batch_begin(step)
+            size = self._step_size_of(data, step, batch)
+            loss = self._sum_loss(self._run_step(self.test_step, batch, size))
+            size = size if size is not None else local_batch_size(self._ds_strategy, batch)
+            total, count = total + loss * size, count + size
+            hooks.on_test_batch_end(step, {"loss": total / count})
+        logs = {"loss": total / count if count else 0.0, **self._metric_logs()}
+        hooks.on_test_end(logs)
+        return logs
+
+    def predict(
+        self,
+        x: Any,
+        batch_size: int | None = None,
+        verbose: str | int = "auto",
+        steps: int | None = None,
+        callbacks: Sequence[Callback] | None = None,
+    ) -> Any:
+        """Every example's prediction, in input order (a NumPy array; a list or dict
+        of them for several outputs), gathered from every replica and worker."""
+        data = adapt(self._ds_strategy, x, None, None, batch_size, shuffle=False)
+        bar = ProgressBar(verbose, self._is_chief, "predict")
+        hooks = CallbackList([*(callbacks or ()), bar], self, {"steps": steps or data.steps})
+        hooks.on_predict_begin()
+        outputs: list[Any] = []
+        strategy = self._ds_strategy
+        for step, batch in enumerate(itertools.islice(data.dataset, steps)):
+            hooks.on_predict_batch_begin(step)
+            per_replica = self._run_step(self.predict_step, batch, None)
+            outputs.append(_map(lambda t: strategy.gather(t, axis=0), per_replica))
+            hooks.on_predict_batch_end(step, {})
+        hooks.on_predict_end()
+        if not outputs:
+            raise InvalidArgumentError("predict got no data")
+        return _concatenate(outputs)
+
+    # -- for callbacks ----------------------------------------------------------------------
+
+    @property
+    def _is_chief(self) -> bool:
+        resolver = getattr(self._ds_strategy, "cluster_resolver", None)
+        return resolver is None or resolver.rank == 0
+
+    def _barrier(self, name: str) -> None:
+        cross = getattr(self._ds_strategy.extended, "_cross_worker", None)
+        if cross is not None:
+            cross.barrier(name)
+
+    def _logical_state(self) -> dict[str, Any]:
+        state = capture_state("model", self)
+        return {k: v.clone() for k, v in state.items()}
+
+    def _load_logical_state(self, state: dict[str, Any]) -> None:
+        apply_state("model", self, state)
+
+
+def _leaves(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    if isinstance(value, (list, tuple)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]
+
+
+def _map(fn: Callable[[Any], Any], value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _map(fn, v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map(fn, v) for v in value)
+    return fn(value)
+
+
+def _concatenate(outputs: list[Any]) -> Any:
+    first = outputs[0]
+    if isinstance(first, dict):
+        return {k: _concatenate([o[k] for o in outputs]) for k in first}
+    if isinstance(first, (list, tuple)):
+        return [_concatenate([o[i] for o in outputs]) for i in range(len(first))]
+    return np.concatenate([o.detach().cpu().numpy() for o in outputs])
