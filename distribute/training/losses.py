@@ -39,7 +39,7 @@ PerExampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def _per_example(values: torch.Tensor) -> torch.Tensor:
     """The mean over every dimension but the first."""
-    return values.reshape(values.shape[0], -1).mean(1) if values.dim() > 1 else values
+    return values.flatten(1).mean(1) if values.dim() > 1 else values
 
 
 def mean_squared_error(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:

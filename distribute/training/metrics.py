@@ -109,7 +109,8 @@ class Metric:
 def _weights(sample_weight: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
     if sample_weight is None:
         return torch.ones(n, dtype=torch.float64, device=device)
-    return torch.as_tensor(sample_weight, device=device).reshape(n, -1).double().mean(1)
+    weights = torch.as_tensor(sample_weight, device=device).double()
+    return weights.flatten(1).mean(1) if weights.dim() > 1 else weights
 
 
 class MeanMetricWrapper(Metric):
@@ -122,7 +123,8 @@ class MeanMetricWrapper(Metric):
     def batch_sums(
         self, y_true: torch.Tensor, y_pred: torch.Tensor, sample_weight: torch.Tensor | None
     ) -> torch.Tensor:
-        values = self._fn(y_true, y_pred).reshape(len(y_pred), -1).double().mean(1)
+        values = self._fn(y_true, y_pred).double()
+        values = values.flatten(1).mean(1) if values.dim() > 1 else values
         weights = _weights(sample_weight, len(values), values.device)
         return torch.stack([(values * weights).sum(), weights.sum()]).cpu()
 

@@ -296,7 +296,7 @@ class Model(torch.nn.Module):
         history = History()
         bar = ProgressBar(verbose, self._is_chief, "train")
         hooks = CallbackList(
-            [history, *(callbacks or ()), bar],
+            [bar, *(callbacks or ()), history],  # Keras's order: History sees every log
             self,
             {"epochs": epochs, "steps": steps, "verbose": verbose},
         )

@@ -1,0 +1,339 @@
+"""ds.Model: compile / fit / evaluate / predict and the callbacks, in one process (#16).
+
+Multi-worker fit is in tests/distributed/test_fit_multi_worker.py.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import distribute as ds
+
+STRATEGY_FACTORIES: dict[str, Callable[[], ds.Strategy]] = {
+    "default": ds.get_strategy,
+    "one_device": lambda: ds.OneDeviceStrategy("cpu"),
+    "mirrored_1": lambda: ds.MirroredStrategy(["cpu:0"]),
+    "mirrored_4": lambda: ds.MirroredStrategy([f"cpu:{i}" for i in range(4)]),
+    "central_storage": lambda: ds.CentralStorageStrategy(["cpu:0", "cpu:1"]),
+}
+ALL = sorted(STRATEGY_FACTORIES)
+
+
+def _classifier() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def _data(n: int = 50, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0.5).astype(np.int64)
+    return x, y
+
+
+def _built(
+    make: Callable[[], ds.Strategy], metrics: list[Any] | None = None, optimizer: Any = "adam"
+) -> ds.Model:
+    strategy = make()
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = ds.Model(_classifier())
+    model.compile(  # outside the scope: still the strategy's
+        optimizer=optimizer,
+        loss=torch.nn.CrossEntropyLoss(),
+        metrics=metrics if metrics is not None else ["accuracy"],
+    )
+    return model
+
+
+def _weights(model: ds.Model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_guides_lines_run_as_written_under_every_strategy(name: str) -> None:
+    results = {}
+    for which in ("default", name):
+        strategy = STRATEGY_FACTORIES[which]()
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = ds.Model(torch.nn.Linear(1, 1))
+            model.compile(loss="mse", optimizer="sgd")
+        dataset = DataLoader(TensorDataset(torch.ones(100, 1), torch.ones(100, 1)), batch_size=10)
+        first = model.fit(dataset, epochs=2, verbose=0).history["loss"]
+        evaluated = model.evaluate(dataset, verbose=0)
+        second = model.fit(
+            np.ones((100, 1)), np.ones((100, 1)), epochs=2, batch_size=10, verbose=0
+        ).history["loss"]
+        results[which] = [*first, evaluated, *second]
+    np.testing.assert_allclose(results[name], results["default"], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_fit_matches_single_device_fit_with_a_partial_last_batch(name: str, shuffle: bool) -> None:
+    x, y = _data(50)  # 50 = 6 x 8 + 2: the last global batch is split unevenly
+    runs = {}
+    for which in ("default", name):
+        model = _built(STRATEGY_FACTORIES[which])
+        torch.manual_seed(1)
+        history = model.fit(x, y, batch_size=8, epochs=3, shuffle=shuffle, verbose=0)
+        runs[which] = (history.history, _weights(model))
+    (mine, my_weights), (theirs, their_weights) = runs[name], runs["default"]
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(mine[key], theirs[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    for key, value in their_weights.items():
+        torch.testing.assert_close(my_weights[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("name", ["mirrored_4", "central_storage"])
+def test_metrics_are_exact_over_replicas_with_an_uneven_last_batch(name: str) -> None:
+    x, y = _data(23)
+    model = _built(STRATEGY_FACTORIES[name])
+    logs = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    assert isinstance(logs, dict)
+    with torch.no_grad():
+        logits = model(torch.as_tensor(x))
+    expected_accuracy = float((logits.argmax(1).numpy() == y).mean())
+    expected_loss = float(torch.nn.functional.cross_entropy(logits, torch.as_tensor(y)))
+    assert logs["accuracy"] == pytest.approx(expected_accuracy, abs=1e-9)
+    assert logs["loss"] == pytest.approx(expected_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["mirrored_4", "central_storage"])
+def test_binary_metrics_auc_and_mae_match_one_device(name: str) -> None:
+    x, y = _data(23)
+    labels = (y > 0).astype(np.float32)[:, None]
+    results = {}
+    for which in ("default", name):
+        strategy = STRATEGY_FACTORIES[which]()
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = ds.Model(torch.nn.Sequential(torch.nn.Linear(4, 1), torch.nn.Sigmoid()))
+        model.compile("sgd", "binary_crossentropy", metrics=["binary_accuracy", "auc", "mae"])
+        results[which] = model.evaluate(x, labels, batch_size=8, verbose=0, return_dict=True)
+    mine, theirs = results[name], results["default"]
+    assert isinstance(mine, dict) and isinstance(theirs, dict)
+    for key in ("loss", "binary_accuracy", "auc", "mae"):
+        assert mine[key] == pytest.approx(theirs[key], rel=1e-6), key
+    assert 0.0 < theirs["auc"] <= 1.0
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_predict_returns_every_row_once_in_input_order(name: str) -> None:
+    x, _ = _data(21)
+    model = _built(STRATEGY_FACTORIES[name])
+    predictions = model.predict(x, batch_size=4, verbose=0)
+    with torch.no_grad():
+        expected = model(torch.as_tensor(x)).numpy()
+    assert predictions.shape == (21, 3)
+    np.testing.assert_allclose(predictions, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_subclassed_model_with_its_own_train_step() -> None:
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    seen: list[int] = []
+
+    class Regression(ds.Model):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x)
+
+        def train_step(self, data: Any) -> dict[str, torch.Tensor]:
+            seen.append(int(data[0].shape[0]))  # this replica's part of the batch
+            return super().train_step(data)
+
+    with strategy.scope():
+        model = Regression()
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss="mse")
+    x = np.random.default_rng(0).normal(size=(10, 2)).astype(np.float32)
+    history = model.fit(x, x.sum(1, keepdims=True), batch_size=4, epochs=20, verbose=0)
+    assert sorted(seen[:6]) == [1, 1, 2, 2, 2, 2]  # 4 + 4 + 2 over 2 replicas
+    assert history.history["loss"][-1] < history.history["loss"][0] / 10
+
+
+def test_validation_data_and_split_log_val_metrics() -> None:
+    x, y = _data(60)
+    model = _built(STRATEGY_FACTORIES["mirrored_4"])
+    history = model.fit(x, y, batch_size=8, epochs=2, validation_split=0.25, verbose=0)
+    assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+    again = model.fit(x, y, batch_size=8, epochs=2, validation_data=(x[:10], y[:10]), verbose=0)
+    assert len(again.history["val_loss"]) == 2
+    expected = model.evaluate(x[:10], y[:10], batch_size=8, verbose=0, return_dict=True)
+    assert isinstance(expected, dict)
+    assert again.history["val_loss"][-1] == pytest.approx(expected["loss"], rel=1e-6)
+
+
+def test_errors_say_what_to_do() -> None:
+    with ds.MirroredStrategy(["cpu:0", "cpu:1"]).scope():
+        model = ds.Model(torch.nn.Linear(1, 1))
+    with pytest.raises(ds.errors.ContextError, match="compile"):
+        model.fit(np.ones((4, 1)), np.ones((4, 1)))
+    with pytest.raises(ds.errors.InvalidArgumentError, match=r"unknown loss 'msa'.*mse"):
+        model.compile(optimizer="sgd", loss="msa")
+    with pytest.raises(ds.errors.InvalidArgumentError, match="unknown optimizer"):
+        model.compile(optimizer="sgdd", loss="mse")
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ds.errors.InvalidArgumentError, match="as many examples"):
+        model.fit(np.ones((4, 1)), np.ones((3, 1)), verbose=0)
+
+
+# -- callbacks ------------------------------------------------------------------------------
+
+
+def test_history_and_callback_hooks_are_called_in_keras_order() -> None:
+    calls: list[str] = []
+
+    class Recorder(ds.callbacks.Callback):
+        def on_train_begin(self, logs: Any = None) -> None:
+            calls.append("train_begin")
+
+        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+            calls.append(f"epoch_begin {epoch}")
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            calls.append(f"batch_end {batch}")
+
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            calls.append(f"epoch_end {epoch} {sorted(logs)}")
+
+        def on_train_end(self, logs: Any = None) -> None:
+            calls.append("train_end")
+
+    x, y = _data(16)
+    model = _built(STRATEGY_FACTORIES["mirrored_4"])
+    history = model.fit(x, y, batch_size=8, epochs=2, callbacks=[Recorder()], verbose=0)
+    assert calls == [
+        "train_begin",
+        "epoch_begin 0",
+        "batch_end 0",
+        "batch_end 1",
+        "epoch_end 0 ['accuracy', 'loss']",
+        "epoch_begin 1",
+        "batch_end 0",
+        "batch_end 1",
+        "epoch_end 1 ['accuracy', 'loss']",
+        "train_end",
+    ]
+    assert history.epoch == [0, 1] and model.history is history
+
+
+def test_early_stopping_stops_and_restores_the_best_weights() -> None:
+    x, y = _data(16)
+    model = _built(STRATEGY_FACTORIES["mirrored_4"], optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
+    stop = ds.callbacks.EarlyStopping(monitor="loss", patience=2, restore_best_weights=True)
+    history = model.fit(x, y, batch_size=8, epochs=10, callbacks=[stop], verbose=0)
+    assert len(history.history["loss"]) == 3  # no improvement with lr 0: stops after 2 more
+    assert stop.stopped_epoch == 2
+
+
+def test_learning_rate_scheduler_sets_every_groups_rate_each_epoch() -> None:
+    x, y = _data(16)
+    model = _built(STRATEGY_FACTORIES["mirrored_4"], optimizer="sgd")
+    schedule = ds.callbacks.LearningRateScheduler(lambda epoch, lr: 0.1 * (epoch + 1))
+    history = model.fit(x, y, batch_size=8, epochs=3, callbacks=[schedule], verbose=0)
+    assert history.history["learning_rate"] == pytest.approx([0.1, 0.2, 0.3])
+    assert model.optimizer is not None and model.optimizer.param_groups[0]["lr"] == pytest.approx(
+        0.3
+    )
+
+
+def test_model_checkpoint_saves_what_restores_the_model(tmp_path: Path) -> None:
+    x, y = _data(16)
+    model = _built(STRATEGY_FACTORIES["mirrored_4"])
+    save = ds.callbacks.ModelCheckpoint(str(tmp_path / "ckpt-{epoch:02d}"), monitor="loss")
+    model.fit(x, y, batch_size=8, epochs=2, callbacks=[save], verbose=0)
+    assert [Path(p).name for p in save.saved] == ["ckpt-01", "ckpt-02"]
+    fresh = _built(STRATEGY_FACTORIES["one_device"])
+    ds.Checkpoint(model=fresh).restore(save.saved[-1])
+    for key, value in _weights(model).items():
+        assert torch.equal(_weights(fresh)[key], value)
+    best = ds.callbacks.ModelCheckpoint(tmp_path / "best", monitor="loss", save_best_only=True)
+    model.fit(x, y, batch_size=8, epochs=3, callbacks=[best], verbose=0)
+    assert 1 <= len(best.saved) <= 3
+
+
+def test_csv_logger_writes_a_row_per_epoch(tmp_path: Path) -> None:
+    x, y = _data(16)
+    model = _built(STRATEGY_FACTORIES["mirrored_4"])
+    path = tmp_path / "log.csv"
+    model.fit(x, y, batch_size=8, epochs=3, callbacks=[ds.callbacks.CSVLogger(path)], verbose=0)
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["epoch"] for r in rows] == ["0", "1", "2"]
+    assert set(rows[0]) == {"epoch", "loss", "accuracy"}
+
+
+def test_tensorboard_writes_event_files(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    x, y = _data(16)
+    model = _built(STRATEGY_FACTORIES["mirrored_4"])
+    board = ds.callbacks.TensorBoard(tmp_path / "tb")
+    model.fit(x, y, batch_size=8, epochs=2, callbacks=[board], verbose=0)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("epoch_loss")] == [0, 1]
+
+
+class _Interrupt(ds.callbacks.Callback):
+    """Stops a fit by raising at one step, as a preempted machine would."""
+
+    def __init__(self, epoch: int, step: int) -> None:
+        super().__init__()
+        self.at, self.epoch = (epoch, step), -1
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if (self.epoch, batch) == self.at:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("save_freq", ["epoch", 2])
+def test_backup_and_restore_resumes_an_interrupted_fit_to_the_same_weights(
+    tmp_path: Path, save_freq: str | int
+) -> None:
+    x, y = _data(40)
+
+    def fit(callbacks: list[Any]) -> ds.Model:
+        model = _built(STRATEGY_FACTORIES["mirrored_4"])
+        torch.manual_seed(5)
+        model.fit(x, y, batch_size=8, epochs=4, callbacks=callbacks, verbose=0)
+        return model
+
+    straight = fit([])
+    backup = tmp_path / "backup"
+    with pytest.raises(KeyboardInterrupt):
+        fit([ds.callbacks.BackupAndRestore(backup, save_freq=save_freq), _Interrupt(2, 3)])
+    assert backup.exists()
+    resumed = fit([ds.callbacks.BackupAndRestore(backup, save_freq=save_freq)])
+    for key, value in _weights(straight).items():
+        assert torch.equal(_weights(resumed)[key], value), key
+    assert not backup.exists()  # deleted when training ended
+
+
+@pytest.mark.parametrize(("verbose", "expect"), [(0, None), (1, "Epoch 2/2"), (2, "Epoch 2/2 - ")])
+def test_the_progress_bar_follows_verbose(
+    capsys: pytest.CaptureFixture[str], verbose: int, expect: str | None
+) -> None:
+    x, y = _data(16)
+    model = _built(STRATEGY_FACTORIES["mirrored_4"])
+    model.fit(x, y, batch_size=8, epochs=2, verbose=verbose)
+    err = capsys.readouterr().err
+    if expect is None:
+        assert err == ""
+    else:
+        assert expect in err and "loss:" in err and "accuracy:" in err
