@@ -245,6 +245,12 @@ class Model(torch.nn.Module):
         loss = logs["loss"] if isinstance(logs, dict) else logs
         return float(self._ds_strategy.reduce("sum", loss, axis=None))
 
+    def _running_metrics(self) -> dict[str, float]:
+        """The metrics so far over this worker's replicas (no communication): exact
+        with one worker, this worker's share with several (the epoch's logs are
+        global)."""
+        return {m.name: m.result_from(m.local_totals()) for m in self._metrics}
+
     def _metric_logs(self) -> dict[str, float]:
         return {m.name: m.result() for m in self._metrics}
 
@@ -346,7 +352,7 @@ class Model(torch.nn.Module):
             size = size if size is not None else local_batch_size(self._ds_strategy, batch)
             total, count, taken = total + loss * size, count + size, taken + 1
             if taken % every == 0:
-                hooks.on_train_batch_end(step, {"loss": total / count})
+                hooks.on_train_batch_end(step, {"loss": total / count, **self._running_metrics()})
             if self.stop_training:
                 break
         return total, count

@@ -69,3 +69,23 @@ def test_a_run_stopped_and_started_again_with_a_checkpoint_dir_continues_exactly
     assert resumed["test_accuracy"] == straight["test_accuracy"]
     with pytest.raises(SystemExit, match="already finished 3 epochs"):
         example.main([*common, "--epochs", "3"])
+
+
+def test_the_fit_api_gives_the_custom_loops_kind_of_model_under_every_strategy(
+    example: ModuleType,
+) -> None:
+    mirrored = example.main(["--api", "fit", "--epochs", "2", "--quiet"])
+    default = example.main(["--api", "fit", "--strategy", "default", "--epochs", "2", "--quiet"])
+    assert mirrored["test_accuracy"] > 0.85
+    assert mirrored["final_loss"] == pytest.approx(default["final_loss"], rel=1e-5)
+
+
+def test_the_convolutional_example_learns_digits() -> None:
+    spec = importlib.util.spec_from_file_location(
+        "train_digits_cnn", EXAMPLE.with_name("train_digits_cnn.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.main(["--quiet"])
+    assert result["validation_accuracy"] > 0.85
