@@ -279,3 +279,19 @@ def test_ranks_on_distinct_gpus_pass_the_device_check() -> None:
     for t in threads:
         t.join(timeout=20)
     assert store.get("device/1") == b"host/GPU-1"
+
+
+def test_batches_are_placed_on_each_replicas_own_device() -> None:
+    """Two really different devices: replica 1's part of every batch is on its device."""
+    strategy = ds.MirroredStrategy(["cpu", "meta"])
+    loader = torch.utils.data.DataLoader(torch.arange(12.0).reshape(6, 2), batch_size=4)
+    steps = [
+        strategy.experimental_local_results(b)
+        for b in strategy.experimental_distribute_dataset(loader)
+    ]
+    assert [[t.device.type for t in step] for step in steps] == [["cpu", "meta"]] * 2
+    assert [[tuple(t.shape) for t in step] for step in steps] == [
+        [(2, 2), (2, 2)],
+        [(1, 2), (1, 2)],
+    ]
+    assert steps[0][0].tolist() == [[0.0, 1.0], [2.0, 3.0]]
