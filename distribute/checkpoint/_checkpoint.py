@@ -20,10 +20,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from distribute import context
 from distribute.checkpoint._format import (
     FORMAT,
     MANIFEST,
@@ -165,12 +168,15 @@ class Checkpoint:
                 own[name] = flatten(f"rank{rank}/{name}", state, tensors)
             else:
                 shared[name] = flatten(name, state, tensors)
-        with _quiet_single_process():
-            dcp_save(
-                {k: v.contiguous() for k, v in tensors.items()},
-                storage_writer=FileSystemWriter(partial, sync_files=False),
-                no_dist=world_size == 1,
-            )
+        try:
+            with _quiet_single_process():
+                dcp_save(
+                    {k: v.contiguous() for k, v in tensors.items()},
+                    storage_writer=FileSystemWriter(partial, sync_files=False),
+                    no_dist=world_size == 1,
+                )
+        except (Exception, CheckpointException) as e:  # torch's is a BaseException
+            raise _failure(workers, f"writing checkpoint {path}", e) from e
         write_json(partial / f"rank-{rank}.json", {"objects": own})
         if workers is not None:
             workers.barrier("checkpoint files written")
@@ -222,8 +228,8 @@ class Checkpoint:
         try:
             with _quiet_single_process():
                 dcp_load(wanted, storage_reader=FileSystemReader(path), no_dist=world_size == 1)
-        except Exception as e:  # torch's errors do not say which checkpoint
-            raise CheckpointError(f"reading the tensors of checkpoint {path} failed: {e}") from e
+        except (Exception, CheckpointException) as e:  # torch's is a BaseException
+            raise _failure(workers, f"reading the tensors of checkpoint {path}", e) from e
         object.__setattr__(self, "save_counter", int(manifest.get("save_counter", 0)))
         # Generators last: placing an input position draws from them.
         order = sorted(skeletons, key=lambda n: isinstance(self._objects.get(n), RNGState))
@@ -241,14 +247,47 @@ class Checkpoint:
     read = restore
 
     def _workers(self) -> _Collectives | None:
-        """The multi-worker collectives of the strategy the objects belong to, if any."""
+        """The multi-worker collectives of the strategy the objects belong to (their
+        variables, their input pipeline, or the current strategy), if any.
+
+        Raises:
+            InvalidArgumentError: several processes train together but nothing says
+                which strategy's workers they are.
+        """
+        from distribute.data.dataset import DistributedIterator
+
+        candidates: list[Any] = []
         for obj in self._objects.values():
-            for var in _variables_of(obj):
-                cross = getattr(var._ds_strategy.extended, "_cross_worker", None)
-                if cross is not None:
-                    return cross  # type: ignore[no-any-return]
-                break
+            candidates += [
+                getattr(v._ds_strategy.extended, "_cross_worker", None)
+                for v in _variables_of(obj)[:1]
+            ]
+            if isinstance(obj, DistributedIterator):
+                candidates.append(obj._workers.collectives)
+        candidates.append(getattr(context.get_strategy().extended, "_cross_worker", None))
+        for cross in candidates:
+            if cross is not None:
+                return cross  # type: ignore[no-any-return]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise InvalidArgumentError(
+                f"ds.Checkpoint of {sorted(self._objects)} runs in one of "
+                f"{dist.get_world_size()} processes but holds nothing of a multi-worker "
+                "strategy (no variables or distributed iterator of one), so it cannot tell "
+                "its workers apart: save inside `with strategy.scope():`, or add the model"
+            )
         return None
+
+
+def _failure(workers: _Collectives | None, what: str, error: BaseException) -> Exception:
+    """The error to raise when DCP failed: the library's diagnosis when a worker is
+    gone (DCP's own collectives only say a connection closed), else a
+    `CheckpointError` naming the checkpoint."""
+    if workers is not None:
+        try:
+            workers.barrier(f"{what} (after an error)")
+        except Exception as diagnosed:  # names the dead or stuck rank
+            return diagnosed
+    return CheckpointError(f"{what} failed: {error}")
 
 
 @contextlib.contextmanager

@@ -27,11 +27,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 from distribute.errors import InvalidArgumentError
 
 __all__ = [
+    "BATCH_SAMPLERS",
+    "RANDOM_SAMPLERS",
     "RecordedDraws",
     "generators_of",
     "is_stateful",
@@ -39,6 +41,20 @@ __all__ = [
     "random_state",
     "replayed_random_state",
 ]
+
+
+def _torchdata_samplers() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    try:
+        from torchdata.stateful_dataloader import sampler
+    except ImportError:
+        return (), ()
+    return (sampler.BatchSampler,), (sampler.RandomSampler,)
+
+
+#: Batch samplers and shufflers that DATA sharding replaces with seeded ones:
+#: torch's, and torchdata's (which a StatefulDataLoader makes; not subclasses).
+BATCH_SAMPLERS: tuple[type, ...] = (BatchSampler, *_torchdata_samplers()[0])
+RANDOM_SAMPLERS: tuple[type, ...] = (RandomSampler, *_torchdata_samplers()[1])
 
 
 def is_stateful(loader: Any) -> bool:

@@ -104,6 +104,8 @@ class InputWorkers:
     gather_across_workers: Callable[[bytes], list[bytes]] = field(
         default=lambda data: [data], compare=False
     )
+    #: The cross-worker collectives, for whoever needs every worker (a checkpoint).
+    collectives: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(torch.device(d) for d in self.devices))
@@ -566,10 +568,11 @@ class _SeededRandomSampler(Sampler[int]):
     """A RandomSampler whose order is a function of (seed, epoch) only.
 
     Every worker builds the same order for the same epoch, which DATA sharding by
-    batch sampler needs; each epoch gets a distinct order.
+    batch sampler needs; each epoch gets a distinct order. The seed is part of a
+    distributed iterator's saved position (NOTE [input position]).
     """
 
-    def __init__(self, original: RandomSampler, seed: int) -> None:
+    def __init__(self, original: Any, seed: int) -> None:
         self._original = original
         self._seed = seed
         self._epoch = 0
@@ -578,7 +581,7 @@ class _SeededRandomSampler(Sampler[int]):
         self._epoch = epoch
 
     def __len__(self) -> int:
-        return self._original.num_samples
+        return int(self._original.num_samples)
 
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator()
@@ -825,20 +828,21 @@ def _loader_source(
             slice_global=multi and policy is not AutoShardPolicy.OFF,
             epoch_targets=[loader.sampler],
         )
+    batches: Any = batch_sampler  # a BatchSampler (torch's or torchdata's) where shuffled
     if (
         multi
-        and type(batch_sampler) is BatchSampler
-        and isinstance(batch_sampler.sampler, RandomSampler)
+        and type(batches) in _position.BATCH_SAMPLERS
+        and isinstance(batches.sampler, _position.RANDOM_SAMPLERS)
         and policy is not AutoShardPolicy.OFF
     ):
-        sampler = batch_sampler.sampler
+        sampler: Any = batches.sampler
         seed = (
             sampler.generator.initial_seed()
             if sampler.generator is not None
             else torch.initial_seed()
         )
         seeded = _SeededRandomSampler(sampler, _agree_seed(workers, seed % (1 << 62)))
-        batch_sampler = BatchSampler(seeded, batch_sampler.batch_size, batch_sampler.drop_last)
+        batch_sampler = BatchSampler(seeded, batches.batch_size, batches.drop_last)
     if multi and policy is not AutoShardPolicy.OFF:
         _warn_if_lengths_differ(dataset, workers)
         wrapped = _WorkerBatchSampler(batch_sampler, workers)
@@ -1049,6 +1053,7 @@ class DistributedIterator:
             )
         position = self._snapshot() if self._direct is not None else self._position
         return {
+            "shuffle_seeds": [s._seed for s in self._owner._seeded_samplers()],
             "epoch": self._epoch,
             "steps": self._steps,
             "loader": position,
@@ -1066,6 +1071,9 @@ class DistributedIterator:
                 "or generator; pass a DataLoader"
             )
         owner._epoch = int(state["epoch"]) - 1  # the next iter() starts that epoch
+        seeded = owner._seeded_samplers()
+        for sampler, seed in zip(seeded, state.get("shuffle_seeds", ())):
+            sampler._seed = int(seed)  # the order every worker agreed on when saving
         steps = int(state["steps"])
         # Making this iterator drew from torch's generator (a DataLoader iterator draws
         # its base seed); it stands in for the saved one, whose draws were made before
@@ -1365,6 +1373,14 @@ class DistributedDataset:
         """The generators an epoch's shuffle draws from (NOTE [input position])."""
         return _position.generators_of(self._source.iterable)
 
+    def _seeded_samplers(self) -> list[_SeededRandomSampler]:
+        """The samplers whose agreed seed orders the workers' shuffle."""
+        loader = self._source.iterable
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        inner = getattr(batch_sampler, "_inner", batch_sampler)
+        sampler = getattr(inner, "sampler", None)
+        return [sampler] if isinstance(sampler, _SeededRandomSampler) else []
+
     def _batch_dim(self) -> int | None:
         loader = self._dataset
         if isinstance(loader, DataLoader) and loader.drop_last and loader.batch_size is not None:
@@ -1497,6 +1513,9 @@ class DistributedDatasetsFromFunction:
             iterator._epoch = self._epoch
             iterator._random_state = random_state
         return iterator
+
+    def _seeded_samplers(self) -> list[_SeededRandomSampler]:
+        return []
 
     def _generators(self) -> list[torch.Generator]:
         """The generators an epoch of the pipelines draws from (NOTE [input position])."""

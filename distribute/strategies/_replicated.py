@@ -709,6 +709,7 @@ class ReplicatedExtended(StrategyExtended):
             num_workers=self._num_workers,
             sum_across_workers=lambda n: cross.all_reduce_int(n, "end-of-data agreement"),
             gather_across_workers=functools.partial(_gather_bytes, cross),
+            collectives=cross,
         )
 
     def _distribute_dataset(self, dataset: Any, options: InputOptions | None) -> Any:

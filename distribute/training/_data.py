@@ -1,12 +1,14 @@
 """What `Model.fit` / `evaluate` / `predict` accept as data, made into distributed input.
 
 Arrays and tensors (``x``, ``y``, ``sample_weight``) become a DataLoader of the
-GLOBAL batch size (shuffled each epoch for `fit`, from a generator seeded by
-torch's); DataLoaders and datasets the user made are distributed as they are.
-The global batch size of each step is known where the loader can say it (a
-map-style dataset and a batch size: ``min(B, N - i * B)``), so the loss of a
-partial last batch is averaged over the examples it really has; elsewhere it is
-counted from the batch (one worker) or summed across workers inside the step.
+GLOBAL batch size, shuffled for `fit` in an order that is a function of a seed
+(drawn from torch's generator, agreed by the workers) and the epoch alone, so
+every strategy and world size trains on the same batches; DataLoaders and
+datasets the user made are distributed as they are. The global batch size of
+each step is known where the loader can say it (a map-style dataset and a batch
+size: ``min(B, N - i * B)``), so the loss of a partial last batch is averaged
+over the examples it really has; elsewhere it is counted from the batch and, with
+several workers, summed across them (one small all-reduce per step).
 """
 
 from __future__ import annotations
@@ -16,9 +18,20 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, TensorDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    TensorDataset,
+)
 
-from distribute.data.dataset import DistributedDataset, DistributedDatasetsFromFunction
+from distribute.data.dataset import (
+    DistributedDataset,
+    DistributedDatasetsFromFunction,
+    _SeededRandomSampler,
+)
 from distribute.errors import InvalidArgumentError
 from distribute.values import flatten
 
@@ -123,13 +136,14 @@ def adapt(
             raise InvalidArgumentError(
                 f"x, y and sample_weight must have as many examples; got {[len(a) for a in arrays]}"
             )
-        generator = torch.Generator().manual_seed(int(torch.randint(2**62, ()).item()))
-        loader = DataLoader(
-            TensorDataset(*arrays),
-            batch_size=batch_size or 32,
-            shuffle=shuffle,
-            generator=generator if shuffle else None,
-        )
+        dataset = TensorDataset(*arrays)
+        sampler = None
+        if shuffle:
+            # An order that is a function of (seed, epoch) alone, the seed agreed by
+            # the workers: every strategy and world size shuffles alike.
+            seed = _agreed_seed(strategy, int(torch.randint(2**62, ()).item()))
+            sampler = _SeededRandomSampler(RandomSampler(dataset), seed)
+        loader = DataLoader(dataset, batch_size=batch_size or 32, sampler=sampler)
     elif y is None:  # an iterable of batches
         return Data(strategy.experimental_distribute_dataset(x), None, None)
     else:
@@ -147,6 +161,14 @@ def adapt(
         known[0] if known else None,
         known[1] if known else None,
     )
+
+
+def _agreed_seed(strategy: Any, seed: int) -> int:
+    """Worker 0's ``seed`` on every worker."""
+    cross = getattr(strategy.extended, "_cross_worker", None)
+    if cross is None:
+        return seed
+    return int(cross.all_reduce_int(seed if cross.rank == 0 else 0, "shuffle seed"))
 
 
 def unpack(data: Any) -> tuple[Any, Any, Any]:

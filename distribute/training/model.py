@@ -233,13 +233,15 @@ class Model(torch.nn.Module):
 
         return self._ds_strategy.run(replica_fn, args=(batch,))
 
-    def _step_size_of(self, data: Data, step: int, batch: Any) -> int | None:
+    def _step_size_of(self, data: Data, step: int, batch: Any) -> int:
         if data.sizes is not None and (data.steps is None or step < data.steps):
             return data.sizes(step)
         strategy = self._ds_strategy
-        if getattr(strategy, "num_workers", 1) == 1:
-            return local_batch_size(strategy, batch)
-        return None  # summed inside the step
+        local = local_batch_size(strategy, batch)
+        cross = getattr(strategy.extended, "_cross_worker", None)
+        if cross is None:
+            return local
+        return int(cross.all_reduce_int(local, "global batch size"))  # unknown up front
 
     def _sum_loss(self, logs: Any) -> float:
         loss = logs["loss"] if isinstance(logs, dict) else logs
@@ -349,7 +351,6 @@ class Model(torch.nn.Module):
                 hooks.on_train_batch_begin(step)
             size = self._step_size_of(train, step, batch)
             loss = self._sum_loss(self._run_step(self.train_step, batch, size))
-            size = size if size is not None else local_batch_size(self._ds_strategy, batch)
             total, count, taken = total + loss * size, count + size, taken + 1
             if taken % every == 0:
                 hooks.on_train_batch_end(step, {"loss": total / count, **self._running_metrics()})
@@ -392,7 +393,6 @@ class Model(torch.nn.Module):
             hooks.on_test_batch_begin(step)
             size = self._step_size_of(data, step, batch)
             loss = self._sum_loss(self._run_step(self.test_step, batch, size))
-            size = size if size is not None else local_batch_size(self._ds_strategy, batch)
             total, count = total + loss * size, count + size
             hooks.on_test_batch_end(step, {"loss": total / count})
         logs = {"loss": total / count if count else 0.0, **self._metric_logs()}
