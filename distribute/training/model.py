@@ -338,6 +338,7 @@ class Model(torch.nn.Module):
         total, count = 0.0, 0
         taken = 0
         every = self._steps_per_execution
+        running = _wants_batch_logs(hooks)  # else the metrics are not summed per step
         while steps_per_epoch is None or taken < steps_per_epoch:
             try:
                 batch = next(iterator)
@@ -353,7 +354,8 @@ class Model(torch.nn.Module):
             loss = self._sum_loss(self._run_step(self.train_step, batch, size))
             total, count, taken = total + loss * size, count + size, taken + 1
             if taken % every == 0:
-                hooks.on_train_batch_end(step, {"loss": total / count, **self._running_metrics()})
+                metrics = self._running_metrics() if running else {}
+                hooks.on_train_batch_end(step, {"loss": total / count, **metrics})
             if self.stop_training:
                 break
         return total, count
@@ -443,6 +445,17 @@ class Model(torch.nn.Module):
 
     def _load_logical_state(self, state: dict[str, Any]) -> None:
         apply_state("model", self, state)
+
+
+def _wants_batch_logs(hooks: CallbackList) -> bool:
+    """Whether a callback reads per-batch logs (a visible bar, or a user's hook)."""
+    for callback in hooks.callbacks:
+        if isinstance(callback, ProgressBar):
+            if callback.verbose == 1:
+                return True
+        elif type(callback).on_train_batch_end is not Callback.on_train_batch_end:
+            return True
+    return False
 
 
 def _leaves(value: Any) -> list[Any]:
