@@ -21,11 +21,16 @@ Example:
 
 from __future__ import annotations
 
+import copy
+import re
+import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from distribute import context
 from distribute._enums import VariableAggregation, VariableSynchronization
 from distribute.errors import InvalidArgumentError
 
@@ -40,6 +45,7 @@ __all__ = [
     "MeanSquaredError",
     "Metric",
     "SparseCategoricalAccuracy",
+    "TorchMetric",
     "get",
 ]
 
@@ -90,20 +96,24 @@ class Metric:
         values = getattr(self.state, "values", None)
         copies = list(values) if isinstance(values, tuple) else [self.state]
         total = copies[0].detach().cpu().clone()
-        for copy in copies[1:]:
-            total += copy.detach().cpu()
+        for other in copies[1:]:
+            total += other.detach().cpu()
         return total
 
     def result(self) -> float:
         """The value over every replica of every worker (a cross-replica read)."""
         return self.result_from(self.state.read_value().detach().cpu())
 
+    def local_result(self) -> float:
+        """The value over this worker's replicas only (no communication)."""
+        return self.result_from(self.local_totals())
+
     def reset_state(self) -> None:
         """Zeroes the sums of every replica."""
         values = getattr(self.state, "values", None)
         with torch.no_grad():
-            for copy in values if isinstance(values, tuple) else (self.state,):
-                copy.zero_()
+            for component in values if isinstance(values, tuple) else (self.state,):
+                component.zero_()
 
 
 def _weights(sample_weight: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
@@ -246,6 +256,70 @@ class AUC(Metric):
         return float(((fpr[:-1] - fpr[1:]) * (tpr[:-1] + tpr[1:]) / 2).sum())
 
 
+class TorchMetric(Metric):
+    """A ``torchmetrics`` metric, kept as one copy per local replica.
+
+    Each replica updates its own copy inside ``run`` (no thread shares one); the
+    result merges the copies (``merge_state``) and computes, which torchmetrics
+    synchronizes across worker processes through ``torch.distributed`` (every worker
+    reads the result at the same point, as `fit` does).
+    """
+
+    def __init__(self, metric: Any, name: str | None = None) -> None:
+        self.name = name or _snake_case(type(metric).__name__)
+        self._template = copy.deepcopy(metric)
+        self._copies: dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    def _copy(self, local: int) -> Any:
+        with self._lock:
+            if local not in self._copies:
+                self._copies[local] = copy.deepcopy(self._template)
+            return self._copies[local]
+
+    def update_state(
+        self, y_true: Any, y_pred: Any, sample_weight: torch.Tensor | None = None
+    ) -> None:
+        ctx = context.get_replica_context()
+        local = ctx.local_replica_id if ctx is not None else 0
+        self._copy(local).update(torch.as_tensor(y_pred), torch.as_tensor(y_true))
+
+    def _merged(self, sync: bool) -> Any:
+        merged = copy.deepcopy(self._template)
+        merged.reset()
+        for replica in sorted(self._copies):
+            merged.merge_state(self._copies[replica])
+        merged.sync_on_compute = sync
+        return merged
+
+    def result(self) -> float:
+        return self._compute(sync=True)
+
+    def local_result(self) -> float:
+        return self._compute(sync=False) if self._copies else 0.0
+
+    def _compute(self, sync: bool) -> float:
+        with warnings.catch_warnings():  # the merged copy holds updates it did not see
+            warnings.filterwarnings("ignore", message=".*was called before the ``update``")
+            return float(self._merged(sync).compute())
+
+    def reset_state(self) -> None:
+        with self._lock:
+            self._copies.clear()
+
+
+def _snake_case(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def _is_torchmetric(obj: Any) -> bool:
+    try:
+        import torchmetrics
+    except ImportError:
+        return False
+    return isinstance(obj, torchmetrics.Metric)
+
+
 _BY_NAME: dict[str, Callable[[], Metric]] = {
     "accuracy": Accuracy,
     "acc": Accuracy,
@@ -261,13 +335,16 @@ _BY_NAME: dict[str, Callable[[], Metric]] = {
 
 
 def get(identifier: Any) -> Metric:
-    """A metric from a name (``"accuracy"``, ``"mae"``, ...), a `Metric`, or a
-    function of ``(y_true, y_pred)`` giving one value per example.
+    """A metric from a name (``"accuracy"``, ``"mae"``, ...), a `Metric`, a
+    ``torchmetrics`` metric (where that package is installed), or a function of
+    ``(y_true, y_pred)`` giving one value per example.
 
     Build it inside the strategy's scope (``Model.compile`` does).
     """
     if isinstance(identifier, Metric):
         return identifier
+    if _is_torchmetric(identifier):
+        return TorchMetric(identifier)
     if isinstance(identifier, str):
         factory = _BY_NAME.get(identifier.lower())
         if factory is None:

@@ -251,7 +251,7 @@ class Model(torch.nn.Module):
         """The metrics so far over this worker's replicas (no communication): exact
         with one worker, this worker's share with several (the epoch's logs are
         global)."""
-        return {m.name: m.result_from(m.local_totals()) for m in self._metrics}
+        return {m.name: m.local_result() for m in self._metrics}
 
     def _metric_logs(self) -> dict[str, float]:
         return {m.name: m.result() for m in self._metrics}

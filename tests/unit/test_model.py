@@ -337,3 +337,18 @@ def test_the_progress_bar_follows_verbose(
         assert err == ""
     else:
         assert expect in err and "loss:" in err and "accuracy:" in err
+
+
+@pytest.mark.parametrize("name", ["mirrored_4", "central_storage"])
+def test_torchmetrics_metrics_are_merged_over_replicas(name: str) -> None:
+    torchmetrics = pytest.importorskip("torchmetrics")
+    x, y = _data(23)  # an uneven last batch: some replicas see no example
+    metric = torchmetrics.classification.MulticlassAccuracy(num_classes=3, average="micro")
+    model = _built(STRATEGY_FACTORIES[name], metrics=["accuracy", metric])
+    logs = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    assert isinstance(logs, dict)
+    assert logs["multiclass_accuracy"] == pytest.approx(logs["accuracy"], abs=1e-6)
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    assert history.history["multiclass_accuracy"] == pytest.approx(
+        history.history["accuracy"], abs=1e-6
+    )
