@@ -308,7 +308,7 @@ def test_ctrl_c_in_a_collective_exits_at_once_and_the_peer_names_it_gone() -> No
         for proc in procs:
             proc.kill()
             proc.wait()
-    assert "KeyboardInterrupt" in err1, err1[-2000:]
+    assert "KeyboardInterrupt" in err1, (procs[1].returncode, out1[-500:], err1[-2000:])
     interrupt_at = json.loads(out1.splitlines()[0])["interrupt_at"] + 1.0
     # Before: rank 1 lived until rank 0 joined, 14 s later.
     assert exited - interrupt_at < 8.0, (exited - interrupt_at, err1[-2000:])
