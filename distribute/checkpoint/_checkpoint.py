@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import shutil
 import warnings
@@ -34,6 +35,7 @@ from distribute.checkpoint._format import (
     VERSION,
     CheckpointError,
     commit,
+    complete_path,
     files_with_sizes,
     flatten,
     prepare_partial,
@@ -122,7 +124,7 @@ class Checkpoint:
         raise AttributeError(f"Checkpoint has no object {name!r}; it has {sorted(objects)}")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "save_counter":
+        if name in ("save_counter", "_unmatched"):
             object.__setattr__(self, name, value)
             return
         self._objects[name] = value
@@ -216,11 +218,23 @@ class Checkpoint:
             workers.check_same(
                 ("checkpoint restore", str(path.resolve())), name="checkpoint restore"
             )
+        path = complete_path(path)
         manifest = read_manifest(path)
         skeletons: dict[str, Any] = dict(manifest["objects"])
         own_file = f"rank-{rank}.json"
-        if own_file in manifest["files"]:  # else (a larger world): this rank starts anew
+        borrowed: set[str] = set()
+        if own_file in manifest["files"]:
             skeletons.update(read_json(path / own_file, "a worker's state")["objects"])
+        elif "rank-0.json" in manifest["files"]:
+            # A larger world than wrote it: the input position counts global steps, so
+            # this rank takes rank 0's (without rank 0's own loader state); its random
+            # generators start anew.
+            for name, skeleton in read_json(path / "rank-0.json", "a worker's state")[
+                "objects"
+            ].items():
+                if isinstance(skeleton, dict) and "steps" in skeleton and "epoch" in skeleton:
+                    skeletons[name] = skeleton
+                    borrowed.add(name)
         wanted = dict(templates(skeletons))
         for name, obj in self._objects.items():  # read straight into the live tensors
             if name in skeletons:
@@ -233,9 +247,17 @@ class Checkpoint:
         object.__setattr__(self, "save_counter", int(manifest.get("save_counter", 0)))
         # Generators last: placing an input position draws from them.
         order = sorted(skeletons, key=lambda n: isinstance(self._objects.get(n), RNGState))
+        missing = sorted(set(self._objects) - set(skeletons))
+        if missing:
+            logger.warning(
+                "checkpoint %s has nothing for %s; they are left as they are", path, missing
+            )
+        self._unmatched = missing
         for name in order:
             skeleton = skeletons[name]
             state = unflatten(skeleton, wanted)
+            if name in borrowed:
+                state = {**state, "loader": None}  # replay rank 0's position for this rank
             if name in self._objects:
                 self._objects[name] = apply_state(name, self._objects[name], state)
             elif state is None or isinstance(state, (bool, int, float, str)):
@@ -245,6 +267,28 @@ class Checkpoint:
         return self
 
     read = restore
+
+    def assert_consumed(self) -> Checkpoint:
+        """Raises unless the last restore matched every object both ways (TF's check).
+
+        Raises:
+            CheckpointError: objects the checkpoint had nothing for, or checkpoint
+                entries that no attached object took (named).
+        """
+        unmatched = getattr(self, "_unmatched", [])
+        if unmatched or self._pending:
+            raise CheckpointError(
+                f"the restore did not match: objects with nothing in the checkpoint "
+                f"{unmatched or 'none'}, checkpoint entries with no object "
+                f"{sorted(self._pending) or 'none'}; name the objects as they were saved"
+            )
+        return self
+
+    def expect_partial(self) -> Checkpoint:
+        """Says a partial restore is intended (no warning is kept; TF's spelling)."""
+        self._pending.clear()
+        object.__setattr__(self, "_unmatched", [])
+        return self
 
     def _workers(self) -> _Collectives | None:
         """The multi-worker collectives of the strategy the objects belong to (their
@@ -297,6 +341,8 @@ def _quiet_single_process() -> Iterator[None]:
         warnings.filterwarnings("ignore", message=".*assuming the intent is to")
         yield
 
+
+logger = logging.getLogger(__name__)
 
 _NUMBERED = re.compile(r"-(\d+)$")
 _INDEX = "checkpoint.json"

@@ -214,6 +214,15 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
+def complete_path(path: Path) -> Path:
+    """``path``, or the complete ``<path>.old`` that a write over ``path`` killed
+    between its two renames left (see `commit`)."""
+    old = path.with_name(path.name + ".old")
+    if not path.exists() and (old / MANIFEST).exists():
+        return old
+    return path
+
+
 def partial_path(path: Path) -> Path:
     """Where a checkpoint is written before it is complete."""
     return path.with_name(path.name + PARTIAL)
@@ -229,7 +238,12 @@ def prepare_partial(path: Path) -> Path:
 
 
 def commit(path: Path) -> None:
-    """Renames the complete ``<path>.partial`` to ``path``, replacing an older ``path``."""
+    """Renames the complete ``<path>.partial`` to ``path``, replacing an older ``path``.
+
+    Replacing takes two renames (``path`` to ``<path>.old``, then the new one in);
+    a process killed between them leaves ``<path>.old`` complete, which
+    `complete_path` finds.
+    """
     partial = partial_path(path)
     if path.exists():
         old = path.with_name(path.name + ".old")

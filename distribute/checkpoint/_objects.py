@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from distribute._enums import VariableSynchronization
+from distribute._enums import VariableAggregation, VariableSynchronization
 from distribute.errors import InvalidArgumentError
 from distribute.variables import DistributedVariable
 
@@ -170,7 +170,26 @@ def _write_tensor(name: str, target: torch.Tensor, value: Any) -> None:
     if value.data_ptr() == primary.data_ptr() and value.numel():
         return  # read straight into it (`direct_targets`)
     if isinstance(target, DistributedVariable):
-        target.assign(value)
+        if (
+            target._ds_synchronization is VariableSynchronization.ON_READ
+            and target._ds_aggregation is VariableAggregation.SUM
+        ):
+            _write_sum(target, value)
+        else:
+            target.assign(value)
         return
     with torch.no_grad():
         target.copy_(value)
+
+
+def _write_sum(target: DistributedVariable, value: torch.Tensor) -> None:
+    """A sync-on-read SUM variable: the whole value in the first replica of the first
+    worker, zeros elsewhere. (``assign`` divides it between the replicas, which loses
+    an integer's remainder: 7 over 2 replicas would read back as 6.)"""
+    first_worker = getattr(target._ds_strategy.extended, "_worker_index", 0) == 0
+    with torch.no_grad():
+        for replica, component in enumerate(target.values):
+            if replica == 0 and first_worker:
+                component.copy_(value)
+            else:
+                component.zero_()

@@ -26,6 +26,7 @@ from torch.utils.data import (
     RandomSampler,
     TensorDataset,
 )
+from torch.utils.data.distributed import DistributedSampler
 
 from distribute.data.dataset import (
     DistributedDataset,
@@ -100,7 +101,8 @@ def split_arrays(
 def _known_sizes(loader: DataLoader[Any]) -> tuple[Callable[[int], int], int] | None:
     batch_sampler = loader.batch_sampler
     if (
-        isinstance(loader.dataset, IterableDataset)
+        isinstance(loader.sampler, DistributedSampler)  # a per-worker batch size
+        or isinstance(loader.dataset, IterableDataset)
         or type(batch_sampler) is not BatchSampler
         or not hasattr(batch_sampler.sampler, "__len__")
     ):
@@ -136,6 +138,8 @@ def adapt(
             raise InvalidArgumentError(
                 f"x, y and sample_weight must have as many examples; got {[len(a) for a in arrays]}"
             )
+        if len(arrays[0]) == 0:
+            raise InvalidArgumentError("got no data: x has no examples")
         dataset = TensorDataset(*arrays)
         sampler = None
         if shuffle:
@@ -144,6 +148,11 @@ def adapt(
             seed = _agreed_seed(strategy, int(torch.randint(2**62, ()).item()))
             sampler = _SeededRandomSampler(RandomSampler(dataset), seed)
         loader = DataLoader(dataset, batch_size=batch_size or 32, sampler=sampler)
+    elif isinstance(x, dict) or isinstance(y, dict):
+        raise InvalidArgumentError(
+            "dicts of arrays are not taken as x or y; pass a DataLoader (or a Dataset) "
+            "whose batches are (inputs, targets) with dicts inside"
+        )
     elif y is None:  # an iterable of batches
         return Data(strategy.experimental_distribute_dataset(x), None, None)
     else:

@@ -30,7 +30,8 @@ class ProgressBar(Callback):
             verbose = 1
         if verbose not in (0, 1, 2):
             raise InvalidArgumentError(f"verbose must be 0, 1, 2 or 'auto', got {verbose!r}")
-        self.verbose = int(verbose) if is_chief else 0
+        self.requested = int(verbose)  # the same on every worker
+        self.verbose = self.requested if is_chief else 0
         self.mode = mode
         self._bar: Any = None
         self._start = 0.0
@@ -44,9 +45,9 @@ class ProgressBar(Callback):
                 total=total, desc=description, unit="step", file=sys.stderr, leave=True
             )
 
-    def _advance(self, logs: dict[str, Any] | None) -> None:
+    def _advance(self, batch: int, logs: dict[str, Any] | None) -> None:
         if self._bar is not None:
-            self._bar.update(1)
+            self._bar.update(max(1, batch + 1 - self._bar.n))  # steps since the last call
             self._bar.set_postfix_str(_format(logs or {}), refresh=False)
 
     def _close(self, logs: dict[str, Any] | None, line: str) -> None:
@@ -64,7 +65,7 @@ class ProgressBar(Callback):
             self._open(self.params.get("steps"), f"Epoch {epoch + 1}/{self.params.get('epochs')}")
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        self._advance(logs)
+        self._advance(batch, logs)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if self.verbose:
@@ -76,7 +77,7 @@ class ProgressBar(Callback):
 
     def on_test_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if self.mode == "test":
-            self._advance(logs)
+            self._advance(batch, logs)
 
     def on_test_end(self, logs: dict[str, Any] | None = None) -> None:
         if self.verbose and self.mode == "test":
@@ -87,7 +88,7 @@ class ProgressBar(Callback):
             self._open(self.params.get("steps"), "predict")
 
     def on_predict_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        self._advance(logs)
+        self._advance(batch, logs)
 
     def on_predict_end(self, logs: dict[str, Any] | None = None) -> None:
         if self.verbose:

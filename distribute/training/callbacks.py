@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import csv
+import logging
 import math
 import shutil
 from collections.abc import Callable, Sequence
@@ -24,6 +25,8 @@ from distribute.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from distribute.training.model import Model
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "BackupAndRestore",
@@ -151,11 +154,13 @@ class EarlyStopping(Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         value = (logs or {}).get(self.monitor)
-        if value is None:
-            raise InvalidArgumentError(
-                f"EarlyStopping monitors {self.monitor!r}, which is not in the logs "
-                f"{sorted(logs or {})}; pass validation data for val_ metrics"
+        if value is None:  # Keras: warn and skip (validation_freq > 1 leaves epochs out)
+            logger.warning(
+                "EarlyStopping monitors %r, not in this epoch's logs %s; skipped",
+                self.monitor,
+                sorted(logs or {}),
             )
+            return
         assert self.model is not None
         if _improved(self.mode, self.monitor, value, self.best, self.min_delta):
             self.best, self.wait = value, 0
@@ -225,7 +230,13 @@ class ModelCheckpoint(Callback):
         objects: dict[str, Any] = {"model": self.model}
         if not self.save_weights_only and self.model.optimizer is not None:
             objects["optimizer"] = self.model.optimizer
-        path = self.filepath.format(epoch=epoch + 1, **logs)
+        try:
+            path = self.filepath.format(epoch=epoch + 1, **logs)
+        except KeyError as e:
+            raise InvalidArgumentError(
+                f"ModelCheckpoint's filepath {self.filepath!r} names {e}, which is not in "
+                f"this epoch's logs {sorted(logs)}"
+            ) from None
         self.saved.append(Checkpoint(**objects, epoch=epoch + 1).write(path))
 
 
@@ -261,6 +272,9 @@ class BackupAndRestore(Callback):
         )
         self._manager = CheckpointManager(self._checkpoint, self.backup_dir, max_to_keep=1)
         latest = self._manager.latest_checkpoint
+        cross = getattr(self.model.distribute_strategy.extended, "_cross_worker", None)
+        if cross is not None:  # every worker restores the same backup, or says why not
+            cross.check_same(str(latest), name="backup to restore")
         if latest is not None:
             self._checkpoint.restore(latest)  # the input position waits for its iterator
             self.model._initial_epoch = int(self._checkpoint.epoch)
@@ -273,6 +287,8 @@ class BackupAndRestore(Callback):
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._steps += 1
         if isinstance(self.save_freq, int) and self._steps % self.save_freq == 0:
+            assert self.model is not None
+            self._checkpoint.data = self.model._train_iterator  # fit may have made a new one
             self._manager.save()
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
@@ -283,9 +299,10 @@ class BackupAndRestore(Callback):
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         if self.delete_checkpoint and self.model is not None:
-            self.model._barrier("backup deleted")
+            self.model._barrier("training done")  # every worker has finished with it
             if self.model._is_chief:
                 shutil.rmtree(self.backup_dir, ignore_errors=True)
+            self.model._barrier("backup deleted")  # the next fit sees it gone everywhere
 
 
 class CSVLogger(Callback):
@@ -295,17 +312,28 @@ class CSVLogger(Callback):
         super().__init__()
         self.filename, self.separator, self.append = Path(filename), separator, append
 
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self._keys: list[str] | None = None
+
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if self.model is None or not self.model._is_chief:
             return
         row = {"epoch": epoch, **(logs or {})}
-        new = not (self.append and self.filename.exists()) and not getattr(self, "_started", False)
+        new = self._keys is None
+        if self._keys is None:  # Keras: the first epoch's keys; "NA" where one is missing
+            self._keys = list(row)
+            new = not (self.append and self.filename.exists())
         with open(self.filename, "w" if new else "a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(row), delimiter=self.separator)
+            writer = csv.DictWriter(
+                f,
+                fieldnames=self._keys,
+                delimiter=self.separator,
+                restval="NA",
+                extrasaction="ignore",
+            )
             if new:
                 writer.writeheader()
             writer.writerow(row)
-        self._started = True
 
 
 class TensorBoard(Callback):

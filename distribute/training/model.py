@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from distribute import context
+from distribute._enums import ReduceOp
 from distribute.checkpoint._objects import apply_state, capture_state
 from distribute.errors import ContextError, InvalidArgumentError
 from distribute.losses import compute_average_loss
@@ -70,6 +71,9 @@ class Model(torch.nn.Module):
         super().__init__()
         self._ds_strategy = context.get_strategy()
         if module is not None:
+            built_in = _strategy_of(module)
+            if built_in is not None:  # wrapped outside the scope the network was built in
+                self._ds_strategy = built_in
             self.module = module
         self.optimizer: torch.optim.Optimizer | None = None
         self.stop_training = False
@@ -326,6 +330,9 @@ class Model(torch.nn.Module):
             if steps_per_epoch is None or self._train_iterator is None:
                 self._train_iterator = iter(train.dataset)  # the next epoch's, not yet drawn from
             hooks.on_epoch_end(epoch, logs)
+            cross = self._cross_worker()
+            if cross is not None:  # every worker stops after the same epoch
+                self.stop_training = cross.all_reduce_int(int(self.stop_training), "stop") > 0
             if self.stop_training:
                 break
         hooks.on_train_end(logs)
@@ -339,26 +346,73 @@ class Model(torch.nn.Module):
         taken = 0
         every = self._steps_per_execution
         running = _wants_batch_logs(hooks)  # else the metrics are not summed per step
+        fresh = False  # the iterator was just made: an empty pass means empty data
+        pending: tuple[int, dict[str, float]] | None = None
         while steps_per_epoch is None or taken < steps_per_epoch:
             try:
                 batch = next(iterator)
             except StopIteration:
                 if steps_per_epoch is None:
                     break
-                iterator = self._train_iterator = iter(train.dataset)  # go on into the next pass
+                if fresh:
+                    raise InvalidArgumentError("fit got no data: the dataset is empty") from None
+                # Keras's steps_per_epoch over a finite dataset: go on into the next pass.
+                iterator = self._train_iterator = iter(train.dataset)
+                fresh = True
                 continue
+            fresh = False
             step = iterator.steps - 1
+            index = taken if steps_per_epoch is not None else step
             if taken % every == 0:
-                hooks.on_train_batch_begin(step)
+                hooks.on_train_batch_begin(index)
             size = self._step_size_of(train, step, batch)
-            loss = self._sum_loss(self._run_step(self.train_step, batch, size))
+            logs = self._run_step(self.train_step, batch, size)
+            loss, stop, metrics = self._reduce_step(logs, running, first=taken == 0)
             total, count, taken = total + loss * size, count + size, taken + 1
+            pending = (index, {"loss": total / count, **metrics})
             if taken % every == 0:
-                metrics = self._running_metrics() if running else {}
-                hooks.on_train_batch_end(step, {"loss": total / count, **metrics})
-            if self.stop_training:
+                hooks.on_train_batch_end(*pending)
+                pending = None
+            if stop or (self._cross_worker() is None and self.stop_training):
+                self.stop_training = True
                 break
+        if pending is not None:  # the last steps of a steps_per_execution group
+            hooks.on_train_batch_end(*pending)
+        if count == 0 and steps_per_epoch is None and iterator.steps == 0:
+            raise InvalidArgumentError("fit got no data: the dataset is empty")
         return total, count
+
+    def _cross_worker(self) -> Any:
+        return getattr(self._ds_strategy.extended, "_cross_worker", None)
+
+    def _reduce_step(
+        self, logs: Any, running: bool, first: bool
+    ) -> tuple[float, bool, dict[str, float]]:
+        """The step's loss over every replica, whether any worker asked to stop (as
+        of its previous step: so that all stop after the same step), and the running
+        metrics, in ONE collective across workers (the loss's)."""
+        loss = logs["loss"] if isinstance(logs, dict) else logs
+        strategy = self._ds_strategy
+        cross = self._cross_worker()
+        if cross is None:
+            value = float(strategy.reduce("sum", loss, axis=None))
+            return value, False, (self._running_metrics() if running else {})
+        local = sum(float(t) for t in strategy.experimental_local_results(loss))
+        summable = [m for m in self._metrics if not isinstance(m, metrics_lib.TorchMetric)]
+        parts = [torch.tensor([local, float(self.stop_training)], dtype=torch.float64)]
+        if running:
+            parts += [m.local_totals() for m in summable]
+        packed = cross.all_reduce([torch.cat(parts)], ReduceOp.SUM, name="fit step", check=first)[0]
+        metrics: dict[str, float] = {}
+        if running:
+            offset = 2
+            for metric in summable:
+                metrics[metric.name] = metric.result_from(packed[offset : offset + metric.size])
+                offset += metric.size
+            for metric in self._metrics:
+                if isinstance(metric, metrics_lib.TorchMetric):
+                    metrics[metric.name] = metric.local_result()
+        return float(packed[0]), bool(packed[1] > 0), metrics
 
     # -- evaluate and predict ---------------------------------------------------------------
 
@@ -397,7 +451,9 @@ class Model(torch.nn.Module):
             loss = self._sum_loss(self._run_step(self.test_step, batch, size))
             total, count = total + loss * size, count + size
             hooks.on_test_batch_end(step, {"loss": total / count})
-        logs = {"loss": total / count if count else 0.0, **self._metric_logs()}
+        if count == 0:
+            raise InvalidArgumentError("evaluate got no data: the dataset is empty")
+        logs = {"loss": total / count, **self._metric_logs()}
         hooks.on_test_end(logs)
         return logs
 
@@ -447,11 +503,21 @@ class Model(torch.nn.Module):
         apply_state("model", self, state)
 
 
+def _strategy_of(module: torch.nn.Module) -> Any:
+    from distribute.variables import DistributedVariable
+
+    for value in module.state_dict(keep_vars=True).values():
+        if isinstance(value, DistributedVariable):
+            return value._ds_strategy
+    return None
+
+
 def _wants_batch_logs(hooks: CallbackList) -> bool:
-    """Whether a callback reads per-batch logs (a visible bar, or a user's hook)."""
+    """Whether a callback reads per-batch logs (a bar, or a user's hook): the same
+    answer on every worker, since the step's collective carries the metrics then."""
     for callback in hooks.callbacks:
         if isinstance(callback, ProgressBar):
-            if callback.verbose == 1:
+            if callback.requested == 1:
                 return True
         elif type(callback).on_train_batch_end is not Callback.on_train_batch_end:
             return True

@@ -484,3 +484,41 @@ def test_training_interrupted_and_resumed_ends_bitwise_equal_to_uninterrupted(
         assert torch.equal(resumed[rank]["rng"], straight[rank]["rng"]), rank  # dropout's too
     # The resumed workers started from other values (their seed): restore replaced them.
     assert not torch.equal(resumed[0]["initial"]["0.weight"], straight[0]["initial"]["0.weight"])
+
+
+# -- the input position under a larger world ------------------------------------------------
+
+
+def _read_then_save(path: str, steps: int) -> list[int]:
+    strategy = _strategy(timeout_seconds=20)
+    loader = torch.utils.data.DataLoader(torch.arange(48), batch_size=8)  # no shuffle
+    iterator = iter(strategy.experimental_distribute_dataset(loader))
+    seen = [int(v) for _ in range(steps) for v in next(iterator)]
+    ds.Checkpoint(data=iterator).write(path)
+    strategy.shutdown()
+    return seen
+
+
+def _restore_and_read(path: str) -> list[int]:
+    strategy = _strategy(timeout_seconds=20)
+    loader = torch.utils.data.DataLoader(torch.arange(48), batch_size=8)
+    iterator = iter(strategy.experimental_distribute_dataset(loader))
+    ds.Checkpoint(data=iterator).restore(path)
+    seen = [int(v) for batch in iterator for v in batch]
+    strategy.shutdown()
+    return seen
+
+
+def test_an_input_position_saved_by_2_workers_resumes_under_4_without_repeating(
+    tmp_path: Path,
+) -> None:
+    """Ranks 2 and 3 have no position of their own: they take rank 0's global step
+    (the review found they started the epoch again, re-reading trained examples, and
+    then hung at the end-of-data agreement)."""
+    path = str(tmp_path / "position")
+    before = launch.run(_read_then_save, 2, args=(path, 2), timeout=120)
+    after = launch.run(_restore_and_read, 4, args=(path,), timeout=120)
+    read_before = sorted(v for seen in before for v in seen)
+    read_after = sorted(v for seen in after for v in seen)
+    assert read_before == list(range(16))  # 2 global batches of 8
+    assert read_after == list(range(16, 48))  # the rest, each once, over 4 workers

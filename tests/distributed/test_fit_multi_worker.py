@@ -320,3 +320,35 @@ def test_logged_losses_are_exact_when_batch_sizes_are_unknown_up_front(kind: str
     for out in results:
         assert out["history"]["loss"] == pytest.approx(history.history["loss"], abs=1e-5, rel=0)
         assert out["evaluate"]["loss"] == pytest.approx(evaluated["loss"], abs=1e-6, rel=0)
+
+
+class _StopOnChief(ds.callbacks.Callback):
+    """Stops training from rank 0 alone, at one step (as a time limit would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches = 0
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.batches += 1
+        if int(os.environ["RANK"]) == 0 and self.batches == 2:
+            assert self.model is not None
+            self.model.stop_training = True
+
+
+def _stop_on_one_worker() -> dict[str, Any]:
+    strategy = _strategy(1)
+    with strategy.scope():
+        model = _model()
+    stop = _StopOnChief()
+    history = _fit(model, 50, shuffle=False, callbacks=[stop], verbose=0)
+    out = {"batches": stop.batches, "epochs": len(history.history["loss"])}
+    strategy.shutdown()
+    return out
+
+
+def test_a_stop_asked_by_one_worker_stops_every_worker_after_the_same_step() -> None:
+    """The stop travels with the next step's loss all-reduce, so every worker runs
+    the same steps (the review found rank 0 stopping alone hung the others)."""
+    rank0, rank1 = launch.run(_stop_on_one_worker, 2, timeout=120)
+    assert rank0 == rank1 == {"batches": 3, "epochs": 1}

@@ -331,3 +331,47 @@ def test_a_save_between_epochs_resumes_with_the_next_epochs_shuffle(
     resumed.data = iter(dist)  # placed at the saved epoch's start when attached
     rest, _ = epochs(dist, resumed.data, 2)
     assert first + rest == uninterrupted
+
+
+# -- fixes from the review ------------------------------------------------------------------
+
+
+def test_an_integer_sync_on_read_sum_keeps_its_remainder_under_more_replicas(
+    tmp_path: Path,
+) -> None:
+    def counter(strategy: ds.Strategy) -> Any:
+        with strategy.scope():
+            return ds.Variable(
+                0,
+                synchronization=ds.VariableSynchronization.ON_READ,
+                aggregation=ds.VariableAggregation.SUM,
+            )
+
+    seen = counter(STRATEGIES["default"]())
+    seen.assign(7)
+    path = ds.Checkpoint(seen=seen).save(tmp_path / "ckpt")
+    for name in ("mirrored_2", "mirrored_4"):
+        restored = counter(STRATEGIES[name]())
+        ds.Checkpoint(seen=restored).restore(path)
+        assert int(restored.read_value()) == 7  # assign would give 6 and 4
+
+
+def test_a_write_killed_between_its_two_renames_leaves_the_old_checkpoint_loadable(
+    tmp_path: Path,
+) -> None:
+    weights = torch.ones(3)
+    ckpt = ds.Checkpoint(weights=weights)
+    path = Path(ckpt.write(tmp_path / "model"))
+    path.rename(tmp_path / "model.old")  # what commit() does first, then the kill
+    weights.zero_()
+    ds.Checkpoint(weights=weights).restore(path)
+    assert torch.equal(weights, torch.ones(3))
+
+
+def test_assert_consumed_names_what_the_restore_did_not_match(tmp_path: Path) -> None:
+    path = ds.Checkpoint(model=torch.nn.Linear(2, 2)).save(tmp_path / "ckpt")
+    ds.Checkpoint(model=torch.nn.Linear(2, 2)).restore(path).assert_consumed()
+    partial = ds.Checkpoint(net=torch.nn.Linear(2, 2)).restore(path)
+    with pytest.raises(CheckpointError, match=r"\['net'\].*\['model'\]"):
+        partial.assert_consumed()
+    partial.expect_partial().assert_consumed()

@@ -352,3 +352,73 @@ def test_torchmetrics_metrics_are_merged_over_replicas(name: str) -> None:
     assert history.history["multiclass_accuracy"] == pytest.approx(
         history.history["accuracy"], abs=1e-6
     )
+
+
+# -- fixes from the review ------------------------------------------------------------------
+
+
+def test_empty_data_raises_instead_of_looping_or_logging_zero() -> None:
+    model = _built(STRATEGY_FACTORIES["mirrored_4"])
+    empty_x, empty_y = np.zeros((0, 4), np.float32), np.zeros((0,), np.int64)
+    with pytest.raises(ds.errors.InvalidArgumentError, match="no data"):
+        model.fit(empty_x, empty_y, steps_per_epoch=3, verbose=0)
+    with pytest.raises(ds.errors.InvalidArgumentError, match="no data"):
+        model.fit(empty_x, empty_y, verbose=0)
+    with pytest.raises(ds.errors.InvalidArgumentError, match="no data"):
+        model.evaluate(empty_x, empty_y, verbose=0)
+
+
+def test_a_distributed_samplers_batch_size_is_not_taken_for_the_global_one() -> None:
+    from distribute.training._data import adapt
+
+    x, y = _data(16)
+    dataset = TensorDataset(torch.as_tensor(x), torch.as_tensor(y))
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=2, rank=0)
+    data = adapt(ds.get_strategy(), DataLoader(dataset, batch_size=4, sampler=sampler))
+    assert data.sizes is None  # counted from the batches instead
+
+
+def test_validation_every_other_epoch_with_early_stopping_and_csv(tmp_path: Path) -> None:
+    x, y = _data(32)
+    model = _built(STRATEGY_FACTORIES["mirrored_4"])
+    path = tmp_path / "log.csv"
+    callbacks = [
+        ds.callbacks.EarlyStopping(monitor="val_loss", patience=5),
+        ds.callbacks.CSVLogger(path),
+    ]
+    history = model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=4,
+        validation_data=(x, y),
+        validation_freq=2,
+        callbacks=callbacks,
+        verbose=0,
+    )
+    assert len(history.history["val_loss"]) == 2
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    assert len({len(row) for row in rows}) == 1 and len(rows) == 5  # header + 4 epochs
+
+
+def test_the_bar_counts_every_step_with_steps_per_execution(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    x, y = _data(80)
+    model = _built(STRATEGY_FACTORIES["one_device"])
+    assert model.optimizer is not None
+    model.compile(model.optimizer, torch.nn.CrossEntropyLoss(), ["accuracy"], steps_per_execution=4)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=1)
+    assert "10/10" in capsys.readouterr().err
+
+
+def test_a_model_wrapped_outside_the_scope_uses_its_networks_strategy() -> None:
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        network = _classifier()
+    model = ds.Model(network)  # outside the scope
+    assert model.distribute_strategy is strategy
+    model.compile("sgd", torch.nn.CrossEntropyLoss())
+    x, y = _data(16)
+    model.fit(x, y, batch_size=8, verbose=0)
