@@ -50,6 +50,15 @@ def mean_absolute_error(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Ten
     return _per_example((y_pred - y_true.reshape(y_pred.shape).to(y_pred.dtype)).abs())
 
 
+def _log_probabilities(y_pred: torch.Tensor, from_logits: bool) -> torch.Tensor:
+    """Log-probabilities over the last dimension, from logits or from probabilities
+    (renormalized and clipped, as Keras does)."""
+    if from_logits:
+        return F.log_softmax(y_pred, dim=-1)
+    p = y_pred / y_pred.sum(-1, keepdim=True)
+    return p.clamp(_EPSILON, 1 - _EPSILON).log()
+
+
 class BinaryCrossentropy:
     """Per-example binary cross-entropy (mean over the last dimensions)."""
 
@@ -73,11 +82,7 @@ class CategoricalCrossentropy:
         self.from_logits = from_logits
 
     def __call__(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
-        if self.from_logits:
-            log_p = F.log_softmax(y_pred, dim=-1)
-        else:
-            p = y_pred / y_pred.sum(-1, keepdim=True)
-            log_p = p.clamp(_EPSILON, 1 - _EPSILON).log()
+        log_p = _log_probabilities(y_pred, self.from_logits)
         return _per_example(-(y_true.to(log_p.dtype) * log_p).sum(-1))
 
 
@@ -88,11 +93,7 @@ class SparseCategoricalCrossentropy:
         self.from_logits = from_logits
 
     def __call__(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
-        if self.from_logits:
-            log_p = F.log_softmax(y_pred, dim=-1)
-        else:
-            p = y_pred / y_pred.sum(-1, keepdim=True)
-            log_p = p.clamp(_EPSILON, 1 - _EPSILON).log()
+        log_p = _log_probabilities(y_pred, self.from_logits)
         labels = y_true.reshape(y_pred.shape[:-1]).long()
         return _per_example(-log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1))
 
