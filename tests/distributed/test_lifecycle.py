@@ -263,6 +263,9 @@ def test_torchrun_elastic_restart_trains_to_the_end(tmp_path: Path) -> None:
 
 _INTERRUPTED = """
 import json, os, signal, sys, threading, time
+# A background job of a non-interactive shell (a CI runner) starts with SIGINT
+# ignored, and Python then installs no KeyboardInterrupt handler: Ctrl-C needs it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import torch
 from distribute.cluster_resolver import resolve_cluster
 from distribute.collectives.process_group import ProcessGroupCollectives
