@@ -325,7 +325,7 @@ class Model(torch.nn.Module):
             total, count = self._train_epoch(train, hooks, steps_per_epoch)
             logs = {"loss": total / count if count else 0.0, **self._metric_logs()}
             if validation is not None and (epoch + 1) % validation_freq == 0:
-                val = self._evaluate_data(validation, validation_steps, CallbackList([], self, {}))
+                val = self._evaluate_data(validation, validation_steps, hooks)  # on_test_*
                 logs.update({f"val_{k}": v for k, v in val.items()})
             if steps_per_epoch is None or self._train_iterator is None:
                 self._train_iterator = iter(train.dataset)  # the next epoch's, not yet drawn from

@@ -422,3 +422,21 @@ def test_a_model_wrapped_outside_the_scope_uses_its_networks_strategy() -> None:
     model.compile("sgd", torch.nn.CrossEntropyLoss())
     x, y = _data(16)
     model.fit(x, y, batch_size=8, verbose=0)
+
+
+def test_validation_inside_fit_calls_the_callbacks_test_hooks() -> None:
+    calls: list[str] = []
+
+    class Recorder(ds.callbacks.Callback):
+        def on_test_begin(self, logs: Any = None) -> None:
+            calls.append("test_begin")
+
+        def on_test_end(self, logs: Any = None) -> None:
+            calls.append(f"test_end {sorted(logs or {})}")
+
+    x, y = _data(16)
+    model = _built(STRATEGY_FACTORIES["mirrored_4"])
+    model.fit(
+        x, y, batch_size=8, epochs=2, validation_data=(x, y), callbacks=[Recorder()], verbose=1
+    )
+    assert calls == ["test_begin", "test_end ['accuracy', 'loss']"] * 2
