@@ -92,7 +92,15 @@ class CallbackList:
 
 
 class History(Callback):
-    """Records every epoch's logs: ``history.history["loss"]`` is one value per epoch."""
+    """Records every epoch's logs: ``history.history["loss"]`` is one value per epoch.
+
+    `fit` adds one and returns it.
+
+    Example:
+        >>> history = model.fit(x, y, epochs=3)  # doctest: +SKIP
+        >>> history.history["loss"]               # doctest: +SKIP
+        [0.9, 0.5, 0.3]
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -129,6 +137,10 @@ class EarlyStopping(Callback):
         mode: ``"min"``, ``"max"`` or ``"auto"`` (max for accuracies and AUC).
         baseline: a value the monitor must beat.
         restore_best_weights: put back the best epoch's weights when stopping.
+
+    Example:
+        >>> stop = EarlyStopping(monitor="val_loss", patience=3, restore_best_weights=True)
+        >>> model.fit(x, y, validation_split=0.2, epochs=100, callbacks=[stop])  # doctest: +SKIP
     """
 
     def __init__(
@@ -177,7 +189,11 @@ class EarlyStopping(Callback):
 
 class LearningRateScheduler(Callback):
     """Sets the learning rate of every parameter group to ``schedule(epoch, lr)`` at
-    the start of each epoch."""
+    the start of each epoch.
+
+    Example:
+        >>> halve = LearningRateScheduler(lambda epoch, lr: lr * 0.5 if epoch else lr)
+    """
 
     def __init__(self, schedule: Callable[[int, float], float], verbose: int = 0) -> None:
         super().__init__()
@@ -201,7 +217,13 @@ class ModelCheckpoint(Callback):
     ``monitor`` improved (``save_best_only``). ``filepath`` may hold ``{epoch}`` and
     log names (``"ckpt-{epoch:02d}-{val_loss:.2f}"``); every worker saves.
 
-    ``save_weights_only=False`` also saves the optimizer."""
+    ``save_weights_only=False`` also saves the optimizer.
+
+    Example:
+        >>> save = ModelCheckpoint("/tmp/run/ckpt-{epoch:02d}", monitor="loss", save_best_only=True)
+        >>> model.fit(x, y, epochs=5, callbacks=[save])  # doctest: +SKIP
+        >>> ds.Checkpoint(model=model).restore(save.saved[-1])  # doctest: +SKIP
+    """
 
     def __init__(
         self,
@@ -249,6 +271,11 @@ class BackupAndRestore(Callback):
     steps; `fit` started again restores them and goes on at that epoch and step,
     ending with the weights of an uninterrupted run. The backup is deleted when
     training ends (``delete_checkpoint``).
+
+    Example:
+        >>> backup = BackupAndRestore("/tmp/run/backup", save_freq=100)  # every 100 steps
+        >>> model.fit(x, y, epochs=10, callbacks=[backup])  # doctest: +SKIP
+        >>> # killed at epoch 6? run the same line again: it goes on from there
     """
 
     def __init__(
@@ -306,7 +333,12 @@ class BackupAndRestore(Callback):
 
 
 class CSVLogger(Callback):
-    """Writes each epoch's logs as a row of a CSV file (on the chief)."""
+    """Writes each epoch's logs as a row of a CSV file (on the chief); the columns are
+    the first epoch's keys, ``"NA"`` where a later epoch lacks one.
+
+    Example:
+        >>> log = CSVLogger("/tmp/run/log.csv")
+    """
 
     def __init__(self, filename: str | Path, separator: str = ",", append: bool = False) -> None:
         super().__init__()
@@ -338,7 +370,11 @@ class CSVLogger(Callback):
 
 class TensorBoard(Callback):
     """Writes each epoch's logs as scalars for TensorBoard (on the chief), through
-    ``torch.utils.tensorboard`` (install ``tensorboard``)."""
+    ``torch.utils.tensorboard`` (install ``tensorboard``).
+
+    Example:
+        >>> board = TensorBoard("/tmp/run/tb")  # then: tensorboard --logdir /tmp/run/tb
+    """
 
     def __init__(self, log_dir: str | Path = "logs") -> None:
         super().__init__()
