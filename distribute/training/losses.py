@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -50,6 +51,26 @@ def mean_absolute_error(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Ten
     return _per_example((y_pred - y_true.reshape(y_pred.shape).to(y_pred.dtype)).abs())
 
 
+class _ProbabilityCheck:
+    """Warns once when a loss that takes probabilities is given scores outside [0, 1]
+    (a torch model's logits): one host read, on the first batch only."""
+
+    def __init__(self) -> None:
+        self._checked = False
+
+    def check(self, y_pred: torch.Tensor, name: str) -> None:
+        if self._checked or y_pred.numel() == 0:
+            return
+        self._checked = True
+        if bool((y_pred < 0).any() | (y_pred > 1).any()):
+            warnings.warn(
+                f"{name} takes probabilities (from_logits=False, Keras's default) but got "
+                "values outside [0, 1], which look like logits: pass "
+                f"ds.training.losses.{name}(from_logits=True) or torch.nn.CrossEntropyLoss()",
+                stacklevel=3,
+            )
+
+
 def _log_probabilities(y_pred: torch.Tensor, from_logits: bool) -> torch.Tensor:
     """Log-probabilities over the last dimension, from logits or from probabilities
     (renormalized and clipped, as Keras does)."""
@@ -64,8 +85,11 @@ class BinaryCrossentropy:
 
     def __init__(self, from_logits: bool = False) -> None:
         self.from_logits = from_logits
+        self._probabilities = _ProbabilityCheck()
 
     def __call__(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        if not self.from_logits:
+            self._probabilities.check(y_pred, "BinaryCrossentropy")
         target = y_true.reshape(y_pred.shape).to(y_pred.dtype)
         if self.from_logits:
             values = F.binary_cross_entropy_with_logits(y_pred, target, reduction="none")
@@ -80,8 +104,11 @@ class CategoricalCrossentropy:
 
     def __init__(self, from_logits: bool = False) -> None:
         self.from_logits = from_logits
+        self._probabilities = _ProbabilityCheck()
 
     def __call__(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        if not self.from_logits:
+            self._probabilities.check(y_pred, "CategoricalCrossentropy")
         log_p = _log_probabilities(y_pred, self.from_logits)
         return _per_example(-(y_true.to(log_p.dtype) * log_p).sum(-1))
 
@@ -91,8 +118,11 @@ class SparseCategoricalCrossentropy:
 
     def __init__(self, from_logits: bool = False) -> None:
         self.from_logits = from_logits
+        self._probabilities = _ProbabilityCheck()
 
     def __call__(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        if not self.from_logits:
+            self._probabilities.check(y_pred, "SparseCategoricalCrossentropy")
         log_p = _log_probabilities(y_pred, self.from_logits)
         labels = y_true.reshape(y_pred.shape[:-1]).long()
         return _per_example(-log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1))

@@ -440,3 +440,12 @@ def test_validation_inside_fit_calls_the_callbacks_test_hooks() -> None:
         x, y, batch_size=8, epochs=2, validation_data=(x, y), callbacks=[Recorder()], verbose=1
     )
     assert calls == ["test_begin", "test_end ['accuracy', 'loss']"] * 2
+
+
+def test_a_probability_loss_given_logits_warns_once() -> None:
+    model = _built(STRATEGY_FACTORIES["one_device"])
+    model.compile("sgd", "sparse_categorical_crossentropy")  # Keras's: probabilities
+    x, y = _data(16)
+    with pytest.warns(UserWarning, match="from_logits=True") as caught:
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    assert len([w for w in caught if "from_logits" in str(w.message)]) == 1
