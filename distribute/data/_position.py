@@ -153,6 +153,31 @@ class RecordedDraws:
         self.first_draw = random_state(self._generators)
         return next(self._batches)
 
+    def skip_indices(self, count: int) -> bool:
+        """Skips ``count`` batches of a single-process DataLoader iterator by drawing
+        their indices only (the first under the recorded state); False where the
+        iterator is of another kind (its data would have to be read)."""
+        iterator: Any = self._batches
+        sampler_iter = getattr(iterator, "_sampler_iter", None)
+        if type(iterator).__name__ != "_SingleProcessDataLoaderIter" or sampler_iter is None:
+            return False
+        for _ in range(count):
+            try:
+                if not self._started:
+                    self._started = True
+                    if self._replay is not None:
+                        with replayed_random_state(self._replay, self._generators):
+                            next(sampler_iter)
+                    else:
+                        self.first_draw = random_state(self._generators)
+                        next(sampler_iter)
+                else:
+                    next(sampler_iter)
+            except StopIteration:
+                break
+            iterator._num_yielded += 1
+        return True
+
     def state(self) -> dict[str, Any]:
         """The state the first batch was (or, not drawn yet, will be) drawn under."""
         if self.first_draw is not None:

@@ -1025,6 +1025,14 @@ class DistributedIterator:
         self._position = position
         return step.value()
 
+    def _skip_without_reading(self, steps: int) -> bool:
+        """Skips ``steps`` batches by their indices alone, where one batch of a
+        single-process loader is one step of one worker (no data is loaded)."""
+        draws = self._draws
+        if draws is None or self._workers.num_workers != 1 or self._buffer or self._steps:
+            return False
+        return draws.skip_indices(steps)
+
     @property
     def steps(self) -> int:
         """Global steps handed out in this epoch (counting those before a restore)."""
@@ -1090,8 +1098,11 @@ class DistributedIterator:
                 if hasattr(owner, "_replay_first_draw"):
                     owner._replay_first_draw = state.get("first_draw")
                 fresh = iter(owner)
-                for _ in range(steps):  # the same shuffle; their data is read again
-                    next(fresh)
+                if fresh._skip_without_reading(steps):
+                    fresh._taken = fresh._steps = steps
+                else:
+                    for _ in range(steps):  # the same shuffle; their data is read again
+                        next(fresh)
         self.__dict__.update(fresh.__dict__)
         if before_this is not None:
             torch.set_rng_state(before_this)

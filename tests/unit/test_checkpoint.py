@@ -375,3 +375,38 @@ def test_assert_consumed_names_what_the_restore_did_not_match(tmp_path: Path) ->
     with pytest.raises(CheckpointError, match=r"\['net'\].*\['model'\]"):
         partial.assert_consumed()
     partial.expect_partial().assert_consumed()
+
+
+def test_restoring_mid_epoch_skips_the_taken_batches_without_loading_them(
+    tmp_path: Path,
+) -> None:
+    class Counted(torch.utils.data.Dataset[torch.Tensor]):
+        loads = 0
+
+        def __len__(self) -> int:
+            return 400
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            Counted.loads += 1
+            return torch.tensor([float(i)])
+
+    strategy = STRATEGIES["mirrored_2"]()
+
+    def iterator(seed: int) -> Any:
+        torch.manual_seed(seed)
+        loader = DataLoader(Counted(), batch_size=8, shuffle=True)
+        return iter(strategy.experimental_distribute_dataset(loader))
+
+    def values(batch: Any) -> list[float]:
+        return torch.cat(strategy.experimental_local_results(batch)).tolist()
+
+    taken = iterator(0)
+    for _ in range(40):
+        next(taken)
+    path = ds.Checkpoint(data=taken).save(tmp_path / "ckpt")
+    expected = values(next(taken))
+    resumed = iterator(9)
+    Counted.loads = 0
+    ds.Checkpoint(data=resumed).restore(path)
+    assert Counted.loads == 0  # 40 batches skipped by their indices alone
+    assert values(next(resumed)) == expected
