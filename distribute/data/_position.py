@@ -13,8 +13,9 @@ A distributed iterator's position is (epoch, global steps delivered), plus one o
   ``iter(loader)`` was made (a loader with worker processes draws then) and at its
   first batch (a sampler draws its permutation lazily, then). Restoring makes the
   epoch again under the first, draws the first batch under the second (the same
-  shuffle), skips the steps already taken, which reads their data again, and puts
-  the generators back as they were.
+  shuffle), skips the steps already taken (by their indices alone where one batch
+  of a single-process loader is one step, else by reading them again), and puts
+  torch's generator back as it was.
 
 Python iterators and generators cannot start again, so their position cannot be
 saved: `state_dict` raises and says so.
