@@ -28,11 +28,10 @@ from typing import Any
 
 import torch
 
+from distribute.gradients._local_sum import _get_grad
 from distribute.variables import DistributedVariable
 
 __all__ = ["ReplicaParamGroups", "replica_groups"]
-
-_TensorBase: Any = torch._C.TensorBase
 
 
 class ReplicaParamGroups(list):  # type: ignore[type-arg]
@@ -89,8 +88,7 @@ def replica_groups(
                     plain = p._ds_components[local - 1]
                 else:
                     plain = p._plain_component(0)
-                    with torch._C.DisableTorchFunctionSubclass():
-                        grad = _TensorBase.grad.__get__(p)
+                    grad = _get_grad(p, 0)
                     if grad is not None:
                         plain.grad = grad
                 mapping[plain] = p

@@ -28,7 +28,7 @@ shapes) is checked across workers once, and again whenever it changes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,22 +36,10 @@ from distribute._enums import ReduceOp, VariableAggregation
 from distribute.collectives.packing import slot_views
 
 if TYPE_CHECKING:
+    from distribute.strategies._replicated import CrossWorker
     from distribute.variables import DistributedVariable
 
 __all__ = ["BufferSync"]
-
-
-class _Collectives(Protocol):
-    def all_reduce(
-        self,
-        tensors: Sequence[torch.Tensor],
-        op: ReduceOp,
-        *,
-        name: str,
-        bytes_per_pack: int = 0,
-        check: bool = True,
-        in_place: bool = False,
-    ) -> list[torch.Tensor]: ...
 
 
 class _Group:
@@ -85,7 +73,7 @@ class BufferSync:
         devices: Sequence[torch.device],
         num_replicas: int,
         worker_index: int,
-        collectives: _Collectives | None,
+        collectives: CrossWorker | None,
     ) -> None:
         self._devices = list(devices)
         self._n = num_replicas

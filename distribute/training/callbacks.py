@@ -113,18 +113,21 @@ class History(Callback):
             self.history.setdefault(key, []).append(value)
 
 
-def _improved(mode: str, monitor: str, value: float, best: float, min_delta: float) -> bool:
+def _direction(mode: str, monitor: str) -> str:
+    """``"min"`` or ``"max"``; ``"auto"`` is max for accuracies and AUC."""
     if mode == "auto":
-        mode = "max" if "acc" in monitor or monitor.endswith("auc") else "min"
-    if mode == "min":
+        return "max" if "acc" in monitor or monitor.endswith("auc") else "min"
+    return mode
+
+
+def _improved(mode: str, monitor: str, value: float, best: float, min_delta: float) -> bool:
+    if _direction(mode, monitor) == "min":
         return value < best - min_delta
     return value > best + min_delta
 
 
 def _start(mode: str, monitor: str) -> float:
-    if mode == "auto":
-        mode = "max" if "acc" in monitor or monitor.endswith("auc") else "min"
-    return math.inf if mode == "min" else -math.inf
+    return math.inf if _direction(mode, monitor) == "min" else -math.inf
 
 
 class EarlyStopping(Callback):

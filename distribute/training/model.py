@@ -43,6 +43,7 @@ from distribute.training import metrics as metrics_lib
 from distribute.training._data import Data, adapt, local_batch_size, split_arrays, unpack
 from distribute.training._progress import ProgressBar
 from distribute.training.callbacks import Callback, CallbackList, History
+from distribute.values import flatten, map_structure
 
 __all__ = ["Model"]
 
@@ -216,7 +217,7 @@ class Model(torch.nn.Module):
         if size is not None:
             return int(size)
         # Unknown before the step (several workers, a loader of unknown length): sum here.
-        local = next(t for t in _leaves(y_pred) if isinstance(t, torch.Tensor)).shape[0]
+        local = next(t for t in flatten(y_pred) if isinstance(t, torch.Tensor)).shape[0]
         ctx = context.get_replica_context()
         if ctx is None or ctx.num_replicas_in_sync == 1:
             return int(local)
@@ -476,7 +477,7 @@ class Model(torch.nn.Module):
         for step, batch in enumerate(itertools.islice(data.dataset, steps)):
             hooks.on_predict_batch_begin(step)
             per_replica = self._run_step(self.predict_step, batch, None)
-            outputs.append(_map(lambda t: strategy.gather(t, axis=0), per_replica))
+            outputs.append(map_structure(lambda t: strategy.gather(t, axis=0), per_replica))
             hooks.on_predict_batch_end(step, {})
         hooks.on_predict_end()
         if not outputs:
@@ -522,22 +523,6 @@ def _wants_batch_logs(hooks: CallbackList) -> bool:
         elif type(callback).on_train_batch_end is not Callback.on_train_batch_end:
             return True
     return False
-
-
-def _leaves(value: Any) -> list[Any]:
-    if isinstance(value, dict):
-        return [leaf for v in value.values() for leaf in _leaves(v)]
-    if isinstance(value, (list, tuple)):
-        return [leaf for v in value for leaf in _leaves(v)]
-    return [value]
-
-
-def _map(fn: Callable[[Any], Any], value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _map(fn, v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map(fn, v) for v in value)
-    return fn(value)
 
 
 def _concatenate(outputs: list[Any]) -> Any:
