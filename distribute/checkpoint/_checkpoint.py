@@ -31,13 +31,13 @@ from distribute import context
 from distribute.checkpoint._format import (
     FORMAT,
     MANIFEST,
-    PARTIAL,
     VERSION,
     CheckpointError,
     commit,
     complete_path,
     files_with_sizes,
     flatten,
+    partial_path,
     prepare_partial,
     read_json,
     read_manifest,
@@ -160,7 +160,7 @@ class Checkpoint:
             prepare_partial(path)
         if workers is not None:
             workers.barrier("checkpoint directory made")
-        partial = path.with_name(path.name + PARTIAL)
+        partial = partial_path(path)
         tensors: dict[str, torch.Tensor] = {}
         shared: dict[str, Any] = {}
         own: dict[str, Any] = {}

@@ -217,10 +217,15 @@ def read_manifest(directory: Path) -> dict[str, Any]:
 def complete_path(path: Path) -> Path:
     """``path``, or the complete ``<path>.old`` that a write over ``path`` killed
     between its two renames left (see `commit`)."""
-    old = path.with_name(path.name + ".old")
+    old = _old_path(path)
     if not path.exists() and (old / MANIFEST).exists():
         return old
     return path
+
+
+def _old_path(path: Path) -> Path:
+    """Where `commit` moves the checkpoint it replaces, until the new one is in place."""
+    return path.with_name(path.name + ".old")
 
 
 def partial_path(path: Path) -> Path:
@@ -246,7 +251,7 @@ def commit(path: Path) -> None:
     """
     partial = partial_path(path)
     if path.exists():
-        old = path.with_name(path.name + ".old")
+        old = _old_path(path)
         if old.exists():
             shutil.rmtree(old)
         os.replace(path, old)
