@@ -12,6 +12,8 @@ collective timeout suited to the steps; the message prints the bound it used):
   (``cluster/<rank>``), and every other rank compares its own with rank 0's while
   it waits: workers started with different cluster specs (two TF_CONFIG worker
   lists) fail at once, naming the difference, instead of in a raw store timeout;
+  a rank counts as joined only once it agrees with rank 0, so rank 0 never goes
+  on with a rank about to report a difference;
 * each rank claims ``owner/<rank>`` with its process's id: a second process
   claiming the same rank (two tasks with one TF_CONFIG index) is named, while the
   same process joining again after a dropped connection is not; one that claims
@@ -157,16 +159,17 @@ def _join(
             "its own index (check TF_CONFIG's task index, or RANK), and a restarted task "
             "must wait until the old one is gone",
         )
-    if not store.check([f"joined/{rank}"]):
-        store.set(f"joined/{rank}", "1")
-        store.add("joined", 1)
-    compared = rank == 0
+    # A rank is counted only after it agrees with rank 0's cluster: counted first, it
+    # could complete rank 0's wait just before posting the difference, and rank 0
+    # would go on alone into the process group's set-up.
+    agreed = rank == 0
+    if agreed:
+        _count(store, rank)
     poll = _POLL_SECONDS
     while True:
         if store.check(["error"]):
             raise InvalidArgumentError(store.get("error").decode())
-        if not compared and store.check(["cluster/0"]):
-            compared = True
+        if not agreed and store.check(["cluster/0"]):
             theirs = store.get("cluster/0").decode()
             if theirs != cluster:
                 _post(
@@ -176,7 +179,9 @@ def _join(
                     "the same cluster spec (the same TF_CONFIG cluster, WORLD_SIZE and "
                     "MASTER_ADDR:MASTER_PORT)",
                 )
-        if compared and int(store.add("joined", 0)) >= world_size:
+            agreed = True
+            _count(store, rank)
+        if agreed and int(store.add("joined", 0)) >= world_size:
             return
         if time.monotonic() > deadline:
             absent = [r for r in range(world_size) if not store.check([f"joined/{r}"])]
@@ -188,6 +193,14 @@ def _join(
             )
         time.sleep(poll)
         poll = min(poll * 1.5, _MAX_POLL_SECONDS)
+
+
+def _count(store: Store, rank: int) -> None:
+    """Counts this rank as joined, once (a rank joining again after a dropped
+    connection is not counted twice)."""
+    if not store.check([f"joined/{rank}"]):
+        store.set(f"joined/{rank}", "1")
+        store.add("joined", 1)
 
 
 def _post(store: Store, message: str) -> NoReturn:

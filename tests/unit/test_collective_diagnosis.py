@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
+import pytest
+from torch.distributed import HashStore
+
+from distribute.collectives import _rendezvous
 from distribute.collectives._liveness import PeerReport, WatchState, explain, mismatch_error
+from distribute.errors import InvalidArgumentError
 
 POSITION = (5, "all_reduce 'gradients'")
 
@@ -47,3 +54,17 @@ def test_mismatch_error_without_a_store_describes_this_rank_only() -> None:
         "(unknown: it posted no description in time)"
     )
     assert isinstance(error, ValueError)
+
+
+def test_a_rank_with_another_cluster_is_never_counted_as_joined() -> None:
+    """Counted before comparing, such a rank could complete rank 0's wait just before it
+    posted the difference, and rank 0 would go on alone into the process group."""
+    store = HashStore()
+    store.set("cluster/0", "workers=[a, b]")  # rank 0 is waiting for one more rank
+    store.set("joined/0", "1")
+    store.add("joined", 1)
+    start = time.monotonic()
+    with pytest.raises(InvalidArgumentError, match="different clusters"):
+        _rendezvous._join(store, 1, 2, "workers=[a, b, c]", "127.0.0.1:1", start, start + 5.0, 5.0)
+    assert int(store.add("joined", 0)) == 1
+    assert store.check(["error"])  # and rank 0 is told
