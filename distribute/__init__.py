@@ -28,6 +28,7 @@ from distribute import (
     errors,
     experimental,
     gradients,
+    tpu,
     training,
     values,
 )
@@ -61,6 +62,7 @@ from distribute.strategies.central_storage import CentralStorageStrategy
 from distribute.strategies.mirrored import MirroredStrategy
 from distribute.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from distribute.strategies.one_device import OneDeviceStrategy
+from distribute.strategies.tpu import TPUStrategy
 from distribute.training import Model, callbacks, metrics
 from distribute.values import DistributedValues, Mirrored, PerReplica
 from distribute.variables import (
@@ -100,6 +102,7 @@ __all__ = [
     "Strategy",
     "StrategyExtended",
     "SyncOnReadVariable",
+    "TPUStrategy",
     "Variable",
     "VariableAggregation",
     "VariableSynchronization",
@@ -118,6 +121,7 @@ __all__ = [
     "in_cross_replica_context",
     "metrics",
     "scale_regularization_loss",
+    "tpu",
     "training",
     "values",
 ]

@@ -48,7 +48,7 @@ def compute_average_loss(
                 "compute_average_loss was called in cross-replica context without "
                 "global_batch_size; call it inside `run`, or pass global_batch_size"
             )
-        replicas = context.get_strategy().num_replicas_in_sync
+        replicas = _replicas_per_program()
         global_batch_size = int(per_example_loss.shape[0]) * replicas
     if global_batch_size < 0:
         raise InvalidArgumentError(f"global_batch_size must be >= 0, got {global_batch_size}")
@@ -79,4 +79,10 @@ def scale_regularization_loss(
         total = torch.stack([torch.as_tensor(x) for x in regularization_loss]).sum()
     else:
         total = torch.as_tensor(regularization_loss).sum()
-    return total / context.get_strategy().num_replicas_in_sync
+    return total / _replicas_per_program()
+
+
+def _replicas_per_program() -> int:
+    """The replicas one call of the step covers: `num_replicas_in_sync`, except under
+    SPMD (`TPUStrategy`), where one program runs over the global batch."""
+    return context.get_strategy().extended._num_replicas_in_sync()

@@ -57,6 +57,14 @@ def _local_replica(strategy: Strategy) -> int | None:
     return None
 
 
+def _storage_key(tensor: torch.Tensor) -> tuple[object, int]:
+    """What tells copies that share memory (central storage) from distinct ones. XLA
+    tensors have no data pointer (it reads 0 on every device): each is its own."""
+    if tensor.device.type == "xla":
+        return ("xla", id(tensor))
+    return (tensor.device, tensor.data_ptr())
+
+
 class DistributedVariable(torch.Tensor):
     """Base class of `MirroredVariable` and `SyncOnReadVariable`."""
 
@@ -136,7 +144,7 @@ class DistributedVariable(torch.Tensor):
         primary = self._plain_component(0)
         with torch.no_grad():
             for component in self._ds_components:
-                if component.data_ptr() != primary.data_ptr():
+                if _storage_key(component) != _storage_key(primary):
                     component.copy_(primary)
         self._ds_synced_version = self._primary_version()
 
@@ -209,10 +217,10 @@ class DistributedVariable(torch.Tensor):
                 target.sub_(value)
 
     def _write_all(self, kind: str, values: Sequence[Any]) -> None:
-        written: set[int] = set()
+        written: set[tuple[object, int]] = set()
         for i in range(1 + len(self._ds_components)):
             component = self._component(i)
-            storage = self._plain_component(i).data_ptr()
+            storage = _storage_key(self._plain_component(i))
             if storage in written:
                 continue  # an alias of a copy already written (central storage)
             written.add(storage)
@@ -221,8 +229,8 @@ class DistributedVariable(torch.Tensor):
 
     def _aliases_primary(self) -> bool:
         """Whether every replica shares the primary's storage (central storage)."""
-        primary = self._plain_component(0).data_ptr()
-        return all(c.data_ptr() == primary for c in self._ds_components)
+        primary = _storage_key(self._plain_component(0))
+        return all(_storage_key(c) == primary for c in self._ds_components)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # same keyword as Tensor.__repr__, narrower return type
         with torch._C.DisableTorchFunctionSubclass():

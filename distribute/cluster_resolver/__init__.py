@@ -28,6 +28,7 @@ from distribute.cluster_resolver.slurm import (
 )
 from distribute.cluster_resolver.tfconfig import TFConfigClusterResolver
 from distribute.cluster_resolver.torchrun import TorchrunClusterResolver
+from distribute.cluster_resolver.tpu import TPUClusterResolver
 
 __all__ = [
     "ClusterResolver",
@@ -35,6 +36,7 @@ __all__ = [
     "SimpleClusterResolver",
     "SlurmClusterResolver",
     "TFConfigClusterResolver",
+    "TPUClusterResolver",
     "TorchrunClusterResolver",
     "expand_hostlist",
     "expand_tasks_per_node",

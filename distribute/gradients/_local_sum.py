@@ -20,6 +20,9 @@ with NCCL across the GPUs (``torch.cuda.nccl``): an all-reduce in one worker;
 across workers a reduce to the first GPU, the cross-worker all-reduce there,
 and a broadcast back. No gradient is copied to GPU 0 one variable at a time.
 Across workers the packs' layout is checked once, not at every step.
+
+Replicas on XLA devices (`TPUStrategy`'s replica mode) sum on the host
+(`_sum_on_host`, NOTE [host reduction] in `collectives/xla.py`).
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class LocalSum:
             and all(d.type == "cuda" for d in devices)
             and len(set(devices)) == len(devices)
         )
+        self._on_xla = all(d.type == "xla" for d in devices) and len(devices) > 1
         self._checked: object = None  # the cross-worker layout last checked
 
     def close(self) -> None:
@@ -91,6 +95,9 @@ class LocalSum:
         grads = [_get_grad(v, local) for v in variables]
         if self._on_gpus:
             self._sum_on_gpus(local, grads)
+            return
+        if self._on_xla:
+            self._sum_on_host(local, grads)
             return
         result = ext._exchange(local, "gradient aggregation", grads, self._combine)
         if result is None:
@@ -205,6 +212,15 @@ class LocalSum:
                 else:
                     grad.copy_(view)
 
+    def _sum_on_host(self, local: int, grads: list[torch.Tensor | None]) -> None:
+        """Replicas on XLA devices: the sum is made on the host (NOTE [host reduction]
+        in `collectives/xla.py`) and copied to each replica's device."""
+        totals = self._ext._exchange(local, "gradient aggregation", grads, _host_sum)
+        device = self._ext._devices[local]
+        for var, total in zip(self._variables, totals):
+            if total is not None:
+                _set_grad(var, local, total.to(device))
+
     def _nccl_sum(self, per_replica: list[list[tuple[list[int], torch.Tensor]]]) -> None:
         """Sums every pack over the local GPUs (and across workers) in place."""
         ext = self._ext
@@ -220,6 +236,25 @@ class LocalSum:
             cross.all_reduce(flats[:1], ReduceOp.SUM, name="gradients", in_place=True, check=check)
             torch.cuda.nccl.broadcast(flats, root=0)
         self._checked = layout
+
+
+def _host_sum(per_replica: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None]:
+    """Per variable, the sum of the replicas' gradients on the CPU, in replica order
+    (None where no replica has one)."""
+    from distribute.collectives import xla
+
+    present = [g for grads in per_replica for g in grads if g is not None]
+    on_host = iter(xla.to_host([g.detach() for g in present]))
+    host = [[next(on_host) if g is not None else None for g in grads] for grads in per_replica]
+    totals: list[torch.Tensor | None] = []
+    for j in range(len(per_replica[0])):
+        parts = [g for grads in host if (g := grads[j]) is not None]
+        total = parts[0].clone() if parts else None
+        for part in parts[1:]:
+            assert total is not None
+            total.add_(part)
+        totals.append(total)
+    return totals
 
 
 def _add_into(slots: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:

@@ -1,0 +1,379 @@
+"""`TPUStrategy`: synchronous training on XLA devices through torch_xla.
+
+Two modes, one API:
+
+* **replica mode** (default): one replica per XLA device (per the device
+  assignment's first logical core), in threads, like `MirroredStrategy`; variables
+  are `MirroredVariable`s with a copy per device, and gradients are summed at the
+  optimizer step (on the host where the runtime has no working per-device
+  collectives, as on torch_xla's CPU backend: NOTE [host reduction]).
+* **SPMD mode** (``experimental_spmd_xla_partitioning=True``): one program over
+  every device through `torch_xla.distributed.spmd`. `fn` runs ONCE, over the
+  global batch, whose dim 0 is sharded along the mesh's ``"data"`` axis; variables
+  are replicated (or split by `experimental_split_to_logical_devices`), and GSPMD
+  inserts the collectives. Values `fn` returns are global: `reduce` returns them
+  (they already combine every replica), `gather` returns them, and
+  `experimental_local_results(v)` is ``(v,)``. Inside `fn` the losses helpers count
+  one program (`compute_average_loss` divides by the global batch).
+
+Each `run` ends an XLA step on the devices it used (NOTE [XLA steps]), so a loop
+compiles one graph per input shape. Keep shapes static: batch with
+``drop_last=True``, or accept one more compile for the last, partial batch.
+
+Example::
+
+    strategy = ds.TPUStrategy(experimental_spmd_xla_partitioning=True)
+    with strategy.scope():
+        model = torch.nn.Linear(8, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for batch in strategy.experimental_distribute_dataset(loader):
+        loss = strategy.run(step, args=(batch,))
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from distribute import context, values
+from distribute.cluster_resolver.tpu import TPUClusterResolver
+from distribute.collectives import xla
+from distribute.data._xla_input import XlaShardedDataset, global_batches
+from distribute.data.options import InputOptions
+from distribute.errors import InvalidArgumentError
+from distribute.strategies._replicated import ReplicatedExtended
+from distribute.strategies.base import Strategy
+from distribute.tpu import DeviceAssignment, initialize_tpu_system
+
+__all__ = ["TPUStrategy"]
+
+#: The device every tensor lives on under SPMD (torch_xla's one virtual device).
+_SPMD_DEVICE = "xla:0"
+
+
+class _SpmdLayout:
+    """The SPMD mesh of a device assignment, and how tensors are annotated on it.
+
+    The mesh is ``(num_replicas, cores_per_replica)`` with axes ``("data",
+    "model")``, row r holding replica r's logical cores.
+    """
+
+    def __init__(self, assignment: DeviceAssignment, num_devices: int) -> None:
+        replicas, cores = assignment.num_replicas, assignment.num_cores_per_replica
+        if replicas * cores != num_devices:
+            raise InvalidArgumentError(
+                f"SPMD mode runs one program over every device, but the device assignment "
+                f"covers {replicas} replica(s) x {cores} core(s) = {replicas * cores} of the "
+                f"{num_devices} devices; build it with num_replicas={num_devices // cores}, "
+                "or use replica mode (experimental_spmd_xla_partitioning=False)"
+            )
+        self._xs = xla.spmd()
+        self._ids = np.array(
+            [[assignment.tpu_ordinal(r, c) for c in range(cores)] for r in range(replicas)]
+        )
+        self.replicas = replicas
+        self.cores = cores
+        self.mesh = self._xs.Mesh(self._ids.reshape(-1), (replicas, cores), ("data", "model"))
+        self._split_meshes: dict[tuple[int, ...], Any] = {}
+        self._lock = threading.Lock()
+
+    def data_spec(self, tensor: torch.Tensor) -> tuple[str | None, ...]:
+        return ("data",) + (None,) * (tensor.dim() - 1)
+
+    def place_batch(self, batch: Any) -> Any:
+        """Every tensor to the device, dim 0 sharded on ``"data"`` (scalars replicated)."""
+
+        def place(leaf: Any) -> Any:
+            if not isinstance(leaf, torch.Tensor):
+                return leaf
+            placed = leaf.to(_SPMD_DEVICE)
+            self._xs.mark_sharding(placed, self.mesh, self.data_spec(leaf) if leaf.dim() else ())
+            return placed
+
+        return values.map_structure(place, batch)
+
+    def replicate(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._xs.mark_sharding(tensor, self.mesh, (None,) * tensor.dim())
+        return tensor
+
+    def split(self, tensor: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
+        """Splits `tensor` `dims[k]` ways along dim k inside each replica (replicated
+        across replicas)."""
+        key = tuple(dims)
+        with self._lock:
+            mesh = self._split_meshes.get(key)
+            if mesh is None:
+                names = ("data", *(f"split{k}" for k in range(len(key))))
+                mesh = self._xs.Mesh(self._ids.reshape(-1), (self.replicas, *key), names)
+                self._split_meshes[key] = mesh
+        spec = tuple(f"split{k}" if d > 1 else None for k, d in enumerate(key))
+        self._xs.mark_sharding(tensor, mesh, spec)
+        return tensor
+
+
+class TPUStrategy(Strategy):
+    """Synchronous data parallelism on XLA devices (TPUs, or torch_xla's CPU backend).
+
+    Args:
+        tpu_cluster_resolver: a `TPUClusterResolver` (None: this host's devices).
+        experimental_device_assignment: which devices each replica's logical cores
+            use (`ds.tpu.DeviceAssignment.build`); None: one replica per device.
+        experimental_spmd_xla_partitioning: run one SPMD program over every device
+            (see the module docstring) instead of one replica per device.
+
+    Raises:
+        InvalidArgumentError: torch_xla is not installed; replica mode in a process
+            already in SPMD mode; an SPMD assignment that does not cover every device.
+
+    Example::
+
+        resolver = ds.cluster_resolver.TPUClusterResolver()
+        strategy = ds.TPUStrategy(resolver)              # PJRT_DEVICE=CPU CPU_NUM_DEVICES=4
+        strategy.num_replicas_in_sync                    # 4
+        strategy.run(lambda: ds.get_replica_context().replica_id_in_sync_group)
+        # PerReplica(0, 1, 2, 3)
+    """
+
+    def __init__(
+        self,
+        tpu_cluster_resolver: TPUClusterResolver | None = None,
+        experimental_device_assignment: DeviceAssignment | None = None,
+        experimental_spmd_xla_partitioning: bool = False,
+    ) -> None:
+        xla.require_torch_xla()
+        xr = xla.runtime()
+        if experimental_spmd_xla_partitioning:
+            if not xr.is_spmd():
+                xr.use_spmd()  # before any XLA tensor of this process exists
+        elif xr.is_spmd():
+            raise InvalidArgumentError(
+                "this process already runs torch_xla in SPMD mode (an SPMD TPUStrategy was "
+                "built), and replica mode cannot share it; pass "
+                "experimental_spmd_xla_partitioning=True, or use another process"
+            )
+        self._resolver = tpu_cluster_resolver or TPUClusterResolver()
+        topology = initialize_tpu_system(self._resolver)
+        num_devices = topology.num_tpus_per_task
+        assignment = experimental_device_assignment or DeviceAssignment.build(
+            topology, num_replicas=num_devices
+        )
+        self._assignment = assignment
+        self._spmd = bool(experimental_spmd_xla_partitioning)
+        self._layout: _SpmdLayout | None = None
+        # Variables already annotated, by id (a tensor's == is elementwise).
+        self._annotated: weakref.WeakValueDictionary[int, torch.Tensor] = (
+            weakref.WeakValueDictionary()
+        )
+        if self._spmd:
+            self._layout = _SpmdLayout(assignment, num_devices)
+            self._step_devices = [torch.device(_SPMD_DEVICE)]
+            extended = ReplicatedExtended(self, [_SPMD_DEVICE], wrap_single_values=False)
+        else:
+            devices = [
+                f"xla:{assignment.tpu_ordinal(r, 0)}" for r in range(assignment.num_replicas)
+            ]
+            self._step_devices = sorted(
+                {
+                    torch.device(f"xla:{assignment.tpu_ordinal(r, c)}")
+                    for r in range(assignment.num_replicas)
+                    for c in range(assignment.num_cores_per_replica)
+                },
+                key=lambda d: d.index or 0,
+            )
+            extended = ReplicatedExtended(self, devices)
+        super().__init__(extended)
+
+    # -- identity -------------------------------------------------------------------
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The replicas of the device assignment (the mesh's data axis under SPMD)."""
+        return self._assignment.num_replicas
+
+    @property
+    def cluster_resolver(self) -> TPUClusterResolver:
+        """The `TPUClusterResolver` this strategy runs on."""
+        return self._resolver
+
+    @property
+    def spmd(self) -> bool:
+        """Whether this strategy runs one SPMD program over every device."""
+        return self._spmd
+
+    # -- run ------------------------------------------------------------------------
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        options: Any = None,
+    ) -> Any:
+        """Runs `fn` per replica (replica mode) or once over the global batch (SPMD
+        mode), then ends the XLA step so the next call reuses the compiled graph.
+
+        Example::
+
+            loss = strategy.run(step_fn, args=(next(iterator),))
+        """
+        if self._layout is not None:
+            self._annotate_variables(self._layout)
+        try:
+            return super().run(fn, args, kwargs, options)
+        finally:
+            xla.mark_step(self._step_devices)
+
+    def _annotate_variables(self, layout: _SpmdLayout) -> None:
+        """Replicates every variable no sharding was given to (once: a variable
+        annotated only at its first step would compile the step twice)."""
+        torch_xla = xla.require_torch_xla()
+        ext = self.extended
+        assert isinstance(ext, ReplicatedExtended)
+        for var in ext._live_variables():
+            if self._annotated.get(id(var)) is var:
+                continue
+            if not torch_xla._XLAC._get_xla_sharding_spec(var):
+                layout.replicate(var)
+            self._annotated[id(var)] = var
+
+    # -- input ----------------------------------------------------------------------
+
+    def experimental_distribute_dataset(
+        self, dataset: Any, options: InputOptions | None = None
+    ) -> Any:
+        """Replica mode: each global batch split per replica onto its device (as in
+        `MirroredStrategy`). SPMD mode: each global batch whole, on the device with
+        dim 0 sharded along ``"data"``, loaded ahead by a background thread.
+
+        Example::
+
+            for batch in strategy.experimental_distribute_dataset(loader):
+                strategy.run(step, args=(batch,))
+        """
+        if self._layout is None:
+            return super().experimental_distribute_dataset(dataset, options)
+        layout = self._layout
+        fetch = options is None or options.experimental_fetch_to_device
+        return XlaShardedDataset(
+            lambda: iter(dataset), layout.place_batch if fetch else (lambda b: b)
+        )
+
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[..., Any], options: InputOptions | None = None
+    ) -> Any:
+        """`dataset_fn(InputContext)` yields per-replica batches. Replica mode: one per
+        replica each step. SPMD mode: ``num_replicas_in_sync`` consecutive ones
+        concatenated into the global batch, sharded along ``"data"``.
+
+        Example::
+
+            def dataset_fn(ctx):
+                return loader_of(ctx.get_per_replica_batch_size(64))
+            iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
+        """
+        if self._layout is None:
+            return super().distribute_datasets_from_function(dataset_fn, options)
+        layout = self._layout
+        fetch = options is None or options.experimental_fetch_to_device
+        return XlaShardedDataset(
+            global_batches(dataset_fn, layout.replicas),
+            layout.place_batch if fetch else (lambda b: b),
+        )
+
+    # -- logical devices ------------------------------------------------------------
+
+    def experimental_assign_to_logical_device(
+        self, tensor: torch.Tensor, logical_device_id: int
+    ) -> torch.Tensor:
+        """Places `tensor` on the running replica's logical core `logical_device_id`
+        (replica mode); later ops on it run there.
+
+        Raises:
+            InvalidArgumentError: in SPMD mode (a mesh annotation covers every
+                device; use `experimental_split_to_logical_devices`), or an id beyond
+                the logical cores per replica.
+
+        Example::
+
+            output = strategy.experimental_assign_to_logical_device(x + x, 0)
+        """
+        if self._spmd:
+            raise InvalidArgumentError(
+                "experimental_assign_to_logical_device is not supported in SPMD mode: one "
+                "program spans every device; use experimental_split_to_logical_devices or "
+                "experimental_replicate_to_logical_devices"
+            )
+        cores = self._assignment.num_cores_per_replica
+        if not 0 <= logical_device_id < cores:
+            raise InvalidArgumentError(
+                f"logical_device_id={logical_device_id} is out of range: each replica has "
+                f"{cores} logical device(s) (ids 0 to {cores - 1}); build the device "
+                "assignment with a larger computation_shape for more"
+            )
+        replica_ctx = context.get_replica_context()
+        replica = replica_ctx.replica_id_in_sync_group if replica_ctx is not None else 0
+        ordinal = self._assignment.tpu_ordinal(replica, logical_device_id)
+        return tensor.to(f"xla:{ordinal}")
+
+    def experimental_split_to_logical_devices(
+        self, tensor: torch.Tensor, partition_dimensions: Sequence[int]
+    ) -> torch.Tensor:
+        """Splits `tensor` along each dim k into `partition_dimensions[k]` parts over
+        the replica's logical devices (SPMD: a sharding annotation; replica mode,
+        where a replica runs on its first core, the tensor is returned as is).
+
+        Raises:
+            InvalidArgumentError: `partition_dimensions` does not have one entry per
+                dim, an entry does not divide its dim, or their product is not the
+                number of logical devices per replica.
+
+        Example::
+
+            x = strategy.experimental_split_to_logical_devices(x, [1, 2])
+        """
+        dims = [int(d) for d in partition_dimensions]
+        cores = self._assignment.num_cores_per_replica
+        if len(dims) != tensor.dim():
+            raise InvalidArgumentError(
+                f"partition_dimensions {dims} has {len(dims)} entries but the tensor has "
+                f"rank {tensor.dim()} (shape {tuple(tensor.shape)}); give one per dimension"
+            )
+        for k, (size, parts) in enumerate(zip(tensor.shape, dims)):
+            if parts < 1 or size % parts:
+                raise InvalidArgumentError(
+                    f"partition_dimensions[{k}]={parts} does not divide dimension {k} of size "
+                    f"{size} (shape {tuple(tensor.shape)}); pick a divisor"
+                )
+        if math.prod(dims) != cores:
+            raise InvalidArgumentError(
+                f"the product of partition_dimensions {dims} is {math.prod(dims)}, but each "
+                f"replica has {cores} logical device(s); they must be equal"
+            )
+        if self._layout is None:
+            return tensor
+        return self._layout.split(tensor, dims)
+
+    def experimental_replicate_to_logical_devices(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Keeps a whole copy of `tensor` on each of the replica's logical devices
+        (SPMD: a replicated annotation; replica mode: returned as is).
+
+        Example::
+
+            w = strategy.experimental_replicate_to_logical_devices(w)
+        """
+        if self._layout is None:
+            return tensor
+        return self._layout.replicate(tensor)
+
+    def __repr__(self) -> str:
+        mode = "spmd" if self._spmd else "replica"
+        return (
+            f"TPUStrategy(mode={mode!r}, num_replicas_in_sync={self.num_replicas_in_sync}, "
+            f"cores_per_replica={self._assignment.num_cores_per_replica})"
+        )
