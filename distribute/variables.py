@@ -59,9 +59,10 @@ def _local_replica(strategy: Strategy) -> int | None:
 
 def _storage_key(tensor: torch.Tensor) -> tuple[object, int]:
     """What tells copies that share memory (central storage) from distinct ones. XLA
-    tensors have no data pointer (it reads 0 on every device): each is its own."""
+    tensors have no data pointer (it reads 0 on every device), and a variable's XLA
+    copies are on distinct devices: the device tells them apart."""
     if tensor.device.type == "xla":
-        return ("xla", id(tensor))
+        return (tensor.device, -1)
     return (tensor.device, tensor.data_ptr())
 
 

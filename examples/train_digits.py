@@ -10,6 +10,8 @@ The training step is written once; only the strategy object changes:
     torchrun --nproc_per_node=2 examples/train_digits.py --strategy multi_worker
     python examples/train_digits.py --checkpoint-dir /tmp/digits  # stop it, run again: resumes
     python examples/train_digits.py --api fit                # Keras-style model.fit
+    PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 .xla-venv/bin/python examples/train_digits.py \
+        --strategy tpu [--spmd]           # TPUStrategy on torch_xla (see the README)
 
 The data (1,797 8x8 images) ships with scikit-learn: nothing is downloaded.
 """
@@ -28,10 +30,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import distribute as ds
 
-STRATEGIES = ("default", "one_device", "mirrored", "central_storage", "multi_worker")
+STRATEGIES = ("default", "one_device", "mirrored", "central_storage", "multi_worker", "tpu")
 
 
-def make_strategy(name: str, replicas: int | None, device: str) -> ds.Strategy:
+def make_strategy(name: str, replicas: int | None, device: str, spmd: bool = False) -> ds.Strategy:
     """The only line that differs between one CPU, several replicas and several workers."""
     if replicas is None:  # several logical replicas in one process; one per worker process
         replicas = 1 if name == "multi_worker" else 2
@@ -46,6 +48,8 @@ def make_strategy(name: str, replicas: int | None, device: str) -> ds.Strategy:
         return ds.CentralStorageStrategy(logical)
     if name == "multi_worker":
         return ds.MultiWorkerMirroredStrategy(devices=logical if replicas > 1 else None)
+    if name == "tpu":  # every XLA device: one replica each, or one SPMD program
+        return ds.TPUStrategy(experimental_spmd_xla_partitioning=spmd)
     raise SystemExit(f"unknown --strategy {name!r}; choose from {', '.join(STRATEGIES)}")
 
 
@@ -88,6 +92,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="logical CPU replicas per process (default: 2, or 1 with multi_worker)",
     )
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--spmd", action="store_true", help="with --strategy tpu: one SPMD program over the devices"
+    )
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=64, help="the GLOBAL batch size")
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -110,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.api == "fit":
         return main_fit(args)
 
-    strategy = make_strategy(args.strategy, args.replicas, args.device)
+    strategy = make_strategy(args.strategy, args.replicas, args.device, args.spmd)
     resolver = strategy.cluster_resolver
     is_chief = resolver is None or resolver.rank == 0
     show = is_chief and not args.quiet
@@ -194,10 +201,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             accuracy = float(correct.read_value()) / max(float(seen.read_value()), 1.0)
             examples = int(seen.read_value())
         history.append({"epoch": epoch + 1, "loss": total / max(n, 1), "test_accuracy": accuracy})
-    if not history:
-        raise SystemExit(f"nothing to train: the checkpoint already finished {args.epochs} epochs")
         if show:
             sys.stderr.write(f"  test accuracy {accuracy:.2%} ({examples} examples)\n")
+    if not history:
+        raise SystemExit(f"nothing to train: the checkpoint already finished {args.epochs} epochs")
     result = {
         "strategy": args.strategy,
         "replicas_in_sync": strategy.num_replicas_in_sync,
@@ -212,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def main_fit(args: argparse.Namespace) -> dict[str, Any]:
     """The same training with `ds.Model.fit` instead of the custom loop."""
-    strategy = make_strategy(args.strategy, args.replicas, args.device)
+    strategy = make_strategy(args.strategy, args.replicas, args.device, args.spmd)
     resolver = strategy.cluster_resolver
     is_chief = resolver is None or resolver.rank == 0
     train_set, test_set = load_data(args.seed)

@@ -98,6 +98,7 @@ class XlaShardedIterator:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
         self._done = False
+        self._steps = 0
         self._thread = threading.Thread(
             target=self._fill, args=(source, place), name="distribute-xla-input", daemon=True
         )
@@ -141,7 +142,13 @@ class XlaShardedIterator:
         if isinstance(item, BaseException):
             self._done = True
             raise item
+        self._steps += 1
         return item
+
+    @property
+    def steps(self) -> int:
+        """The batches this iterator has handed out."""
+        return self._steps
 
     def get_next(self) -> Any:
         """The next global batch; raises `StopIteration` at the end of data."""

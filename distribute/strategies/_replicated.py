@@ -127,6 +127,12 @@ class ReplicatedExtended(StrategyExtended):
             )
         self._device_names = tuple(names)
         self._devices = tuple(d for _, d in parsed)
+        # Where the replicas' values meet to be combined: the first replica's device,
+        # or the host for XLA devices, whose pending (lazy) tensors cannot move from
+        # one device to another (NOTE [host reduction] in collectives/xla.py).
+        self._meet_device = (
+            torch.device("cpu") if self._devices[0].type == "xla" else self._devices[0]
+        )
         self._captures_modules = captures_modules
         self._wrap_single_values = wrap_single_values
         self._central = central_storage
@@ -398,7 +404,7 @@ class ReplicatedExtended(StrategyExtended):
             if self._cross_worker is not None:
                 self._cross_worker.broadcast([first], 0, name="SyncOnReadVariable read")
             return first
-        total = _sum_to(components, self._devices[0])
+        total = _sum_to(components, self._meet_device)
         if self._cross_worker is not None:
             total = self._cross_worker.all_reduce(
                 [total], ReduceOp.SUM, name="SyncOnReadVariable read"
@@ -491,7 +497,7 @@ class ReplicatedExtended(StrategyExtended):
                         f"replica {self._global_id(i)} passed {pack.describe()}; every replica "
                         "must pass the same structure, shapes and dtypes"
                     )
-            totals = sum_packs(packs, self._devices[0])
+            totals = sum_packs(packs, self._meet_device)
             if self._cross_worker is not None:
                 totals = self._cross_worker.all_reduce(totals, ReduceOp.SUM, name=name)
             if op is ReduceOp.MEAN:
@@ -553,7 +559,7 @@ class ReplicatedExtended(StrategyExtended):
     ) -> tuple[torch.Tensor, list[int]]:
         def combine(per_replica: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[int]]]:
             _check_gatherable(per_replica, axis, name, self._global_id)
-            gathered = torch.cat([t.to(self._devices[0]) for t in per_replica], dim=axis)
+            gathered = torch.cat([t.to(self._meet_device) for t in per_replica], dim=axis)
             sizes = [int(t.shape[axis]) for t in per_replica]
             if self._cross_worker is not None:
                 sizes_t = torch.tensor(sizes, dtype=torch.int64)
@@ -650,7 +656,7 @@ class ReplicatedExtended(StrategyExtended):
                 _check_axis(t, axis, "reduce")
             count = sum(int(t.shape[axis]) for t in tensors)
             tensors = [t.sum(dim=axis) for t in tensors]
-        total = _sum_to(tensors, self._devices[0])
+        total = _sum_to(tensors, self._meet_device)
         if self._cross_worker is not None:
             extra = [torch.tensor(float(count or 0), dtype=torch.float64)]
             reduced = self._cross_worker.all_reduce([total, *extra], ReduceOp.SUM, name="reduce")
@@ -675,7 +681,7 @@ class ReplicatedExtended(StrategyExtended):
             _check_axis(t, axis, "gather")
         axis = axis % tensors[0].dim()
         _check_gatherable(tensors, axis, "gather", self._global_id)
-        gathered = torch.cat([t.to(self._devices[0]) for t in tensors], dim=axis)
+        gathered = torch.cat([t.to(self._meet_device) for t in tensors], dim=axis)
         if self._cross_worker is not None:
             gathered = self._cross_worker.all_gather(gathered, axis, name="gather")
         return gathered

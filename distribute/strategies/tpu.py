@@ -32,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import weakref
@@ -259,9 +260,16 @@ class TPUStrategy(Strategy):
         if self._layout is None:
             return super().experimental_distribute_dataset(dataset, options)
         layout = self._layout
-        fetch = options is None or options.experimental_fetch_to_device
+        options = options or InputOptions()
+        # The one-program dataset keeps what every strategy's does (epochs reshuffled
+        # by a sampler's set_epoch, auto-sharding, end of data); its batches stay on
+        # the host and are placed, sharded, by the loading thread.
+        on_host = super().experimental_distribute_dataset(
+            dataset, dataclasses.replace(options, experimental_fetch_to_device=False)
+        )
+        fetch = options.experimental_fetch_to_device
         return XlaShardedDataset(
-            lambda: iter(dataset), layout.place_batch if fetch else (lambda b: b)
+            lambda: iter(on_host), layout.place_batch if fetch else (lambda b: b)
         )
 
     def distribute_datasets_from_function(

@@ -1,0 +1,104 @@
+"""Shared pieces of the XLA tests: data, a small model, and the CPU reference run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import distribute as ds
+
+GLOBAL_BATCH = 16
+#: 19 full batches and a partial one of 13 rows: 20 steps.
+EXAMPLES = 19 * GLOBAL_BATCH + 13
+
+
+def data(n: int = EXAMPLES, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, :4].sum(dim=1) > 0).long() + (x[:, 4] > 1).long()
+    return x, y
+
+
+def loader(x: torch.Tensor, y: torch.Tensor, batch: int = GLOBAL_BATCH) -> DataLoader[Any]:
+    return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False)
+
+
+def mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+
+
+def cpu_reference(x: torch.Tensor, y: torch.Tensor) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-device CPU training on the same global batches: losses and weights."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    losses = []
+    for xb, yb in loader(x, y):
+        per_example = torch.nn.functional.cross_entropy(model(xb), yb, reduction="none")
+        loss = per_example.sum() / GLOBAL_BATCH
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train(
+    strategy: ds.Strategy, x: torch.Tensor, y: torch.Tensor, on_step: Callable[[int], None]
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same training under `strategy`, written once as in the README."""
+    reference = mlp()
+    with strategy.scope():
+        model = mlp()
+        model.load_state_dict(reference.state_dict())  # XLA's RNG initializes differently
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+
+    def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        per_example = torch.nn.functional.cross_entropy(model(xb), yb, reduction="none")
+        loss = ds.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    losses = []
+    for i, batch in enumerate(strategy.experimental_distribute_dataset(loader(x, y))):
+        losses.append(float(strategy.reduce("sum", strategy.run(step, args=batch), axis=None)))
+        on_step(i)
+    return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def assert_close_to_reference(
+    got: tuple[list[float], dict[str, torch.Tensor]],
+    want: tuple[list[float], dict[str, torch.Tensor]],
+) -> None:
+    losses, weights = got
+    want_losses, want_weights = want
+    assert len(losses) == len(want_losses) == 20
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), atol=1e-5, rtol=0)
+    for name, value in want_weights.items():
+        torch.testing.assert_close(weights[name], value, atol=1e-5, rtol=0, msg=name)
+
+
+def fit_history(strategy: ds.Strategy) -> dict[str, list[float]]:
+    """`ds.Model.fit` for 3 shuffled epochs with a partial last batch (300 = 9 x 32 + 12)."""
+    x, y = data(300)
+    reference = mlp()
+    with strategy.scope():
+        net = mlp()
+        net.load_state_dict(reference.state_dict())
+        model = ds.Model(net)
+    model.compile(optimizer="sgd", loss=torch.nn.CrossEntropyLoss(), metrics=["accuracy"])
+    torch.manual_seed(1)  # the shuffling seed
+    history = model.fit(x.numpy(), y.numpy(), batch_size=32, epochs=3, verbose=0)
+    return dict(history.history)
+
+
+def assert_same_history(got: dict[str, list[float]], want: dict[str, list[float]]) -> None:
+    assert got["accuracy"] == want["accuracy"]
+    torch.testing.assert_close(
+        torch.tensor(got["loss"]), torch.tensor(want["loss"]), atol=1e-5, rtol=0
+    )

@@ -1,0 +1,181 @@
+"""TPUStrategy in replica mode: one replica per XLA device (4 on the CPU backend)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch_xla", reason="needs torch_xla (the XLA lane: .ci/xla)")
+
+import torch
+from _common import (
+    GLOBAL_BATCH,
+    assert_close_to_reference,
+    assert_same_history,
+    cpu_reference,
+    data,
+    fit_history,
+    train,
+)
+
+import distribute as ds
+from distribute.collectives import xla
+
+DEVICES = [torch.device(f"xla:{k}") for k in range(4)]
+
+
+@pytest.fixture(scope="module")
+def strategy() -> ds.TPUStrategy:
+    return ds.TPUStrategy(ds.cluster_resolver.TPUClusterResolver())
+
+
+def test_one_replica_per_xla_device(strategy: ds.TPUStrategy) -> None:
+    assert strategy.num_replicas_in_sync == 4
+    assert strategy.extended.worker_devices == tuple(DEVICES)
+    out = strategy.run(lambda: ds.get_replica_context().replica_id_in_sync_group)
+    assert strategy.experimental_local_results(out) == (0, 1, 2, 3)
+
+
+def test_run_reduce_and_gather_across_devices(strategy: ds.TPUStrategy) -> None:
+    def fn() -> torch.Tensor:
+        r = ds.get_replica_context().replica_id_in_sync_group
+        return torch.arange(r + 1, dtype=torch.float32, device=DEVICES[r]) + 10 * r
+
+    out = strategy.run(fn)
+    parts = [t.cpu() for t in strategy.experimental_local_results(out)]
+    assert [t.device for t in strategy.experimental_local_results(out)] == DEVICES
+    everything = torch.cat(parts)
+    assert torch.equal(strategy.gather(out, axis=0).cpu(), everything)
+    assert float(strategy.reduce("sum", out, axis=0)) == float(everything.sum())
+    assert float(strategy.reduce("mean", out, axis=0)) == pytest.approx(float(everything.mean()))
+    sums = strategy.run(lambda t: t.sum(), args=(out,))
+    assert float(strategy.reduce("sum", sums, axis=None)) == float(everything.sum())
+    means = strategy.reduce("mean", strategy.run(lambda t: t.mean(), args=(out,)), axis=None)
+    assert float(means) == pytest.approx(sum(float(p.mean()) for p in parts) / 4)
+
+
+def test_replica_all_reduce_inside_run(strategy: ds.TPUStrategy) -> None:
+    def fn() -> torch.Tensor:
+        ctx = ds.get_replica_context()
+        r = ctx.replica_id_in_sync_group
+        return ctx.all_reduce("sum", torch.full((2,), float(r + 1), device=DEVICES[r]))
+
+    out = strategy.experimental_local_results(strategy.run(fn))
+    assert [t.cpu().tolist() for t in out] == [[10.0, 10.0]] * 4
+
+
+def test_values_from_function_are_per_replica(strategy: ds.TPUStrategy) -> None:
+    out = strategy.experimental_distribute_values_from_function(
+        lambda ctx: ctx.replica_id_in_sync_group * 10
+    )
+    assert strategy.experimental_local_results(out) == (0, 10, 20, 30)
+
+
+def test_a_global_batch_is_split_over_the_devices_larger_first(strategy: ds.TPUStrategy) -> None:
+    x = torch.arange(14.0).reshape(14, 1)
+    (batch,) = list(strategy.experimental_distribute_dataset([x]))
+    parts = strategy.experimental_local_results(batch)
+    assert [p.shape[0] for p in parts] == [4, 4, 3, 3]
+    assert [p.device for p in parts] == DEVICES
+    assert torch.equal(torch.cat([p.cpu() for p in parts]), x)
+
+
+def test_datasets_from_function_give_each_replica_its_own_batches(
+    strategy: ds.TPUStrategy,
+) -> None:
+    seen = []
+
+    def dataset_fn(ctx: ds.InputContext) -> list[torch.Tensor]:
+        seen.append((ctx.num_replicas_in_sync, ctx.get_per_replica_batch_size(8)))
+        return [torch.full((2,), float(k)) for k in range(8)]
+
+    iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
+    first = [t.cpu().tolist() for t in strategy.experimental_local_results(next(iterator))]
+    assert seen == [(4, 2)]
+    assert sorted(first) == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
+    devices = [t.device for t in strategy.experimental_local_results(next(iterator))]
+    assert devices == DEVICES
+
+
+def test_training_matches_cpu_and_compiles_once_per_input_shape(
+    strategy: ds.TPUStrategy,
+) -> None:
+    x, y = data()
+    counts: list[int] = []
+    got = train(strategy, x, y, on_step=lambda i: counts.append(xla.compile_count()))
+    assert_close_to_reference(got, cpu_reference(x, y))
+    # Steps 3-19 (full batches) reuse the compiled graphs; the partial last batch
+    # (13 rows: 4, 3, 3, 3) adds at most one graph per new replica shape.
+    assert counts[18] == counts[2], counts
+    assert counts[19] - counts[18] <= 4, counts
+
+
+def test_compute_average_loss_defaults_to_the_global_batch(strategy: ds.TPUStrategy) -> None:
+    x = torch.ones(GLOBAL_BATCH, 1)
+    (batch,) = list(strategy.experimental_distribute_dataset([x]))
+    out = strategy.run(lambda t: ds.compute_average_loss(t.sum(dim=1)), args=(batch,))
+    assert float(strategy.reduce("sum", out, axis=None)) == pytest.approx(1.0)
+
+
+def test_the_seed_device_assignment_example_places_ops_on_logical_devices() -> None:
+    resolver = ds.cluster_resolver.TPUClusterResolver(tpu="")
+    topology = ds.tpu.initialize_tpu_system(resolver)
+    device_assignment = ds.tpu.DeviceAssignment.build(
+        topology, computation_shape=[1, 1, 1, 2], num_replicas=2
+    )
+    strategy = ds.TPUStrategy(resolver, experimental_device_assignment=device_assignment)
+    assert strategy.num_replicas_in_sync == 2
+    assert device_assignment.num_cores_per_replica == 2
+    inputs = [torch.ones(4, 3)]
+    iterator = iter(strategy.experimental_distribute_dataset(inputs))
+
+    def step_fn(inputs: torch.Tensor) -> torch.Tensor:
+        output = torch.add(inputs, inputs)
+        # The add operation runs on logical device 1 of each replica.
+        output = strategy.experimental_assign_to_logical_device(output, 1)
+        return output * 2
+
+    out = strategy.experimental_local_results(strategy.run(step_fn, args=(next(iterator),)))
+    assert [t.device for t in out] == [torch.device("xla:1"), torch.device("xla:3")]
+    assert all(torch.equal(t.cpu(), torch.full((2, 3), 4.0)) for t in out)
+    with pytest.raises(ValueError, match="out of range: each replica has 2 logical device"):
+        strategy.run(lambda: strategy.experimental_assign_to_logical_device(torch.ones(1), 2))
+
+
+def test_split_to_logical_devices_checks_its_dimensions() -> None:
+    topology = ds.tpu.initialize_tpu_system()
+    assignment = ds.tpu.DeviceAssignment.build(topology, [1, 1, 1, 2], num_replicas=2)
+    strategy = ds.TPUStrategy(experimental_device_assignment=assignment)
+    t = torch.ones(4, 6)
+    assert strategy.experimental_split_to_logical_devices(t, [1, 2]) is t
+    assert strategy.experimental_replicate_to_logical_devices(t) is t
+    with pytest.raises(ValueError, match="has 1 entries but the tensor has rank 2"):
+        strategy.experimental_split_to_logical_devices(t, [2])
+    with pytest.raises(ValueError, match=r"partition_dimensions\[1\]=4 does not divide"):
+        strategy.experimental_split_to_logical_devices(t, [1, 4])
+    with pytest.raises(ValueError, match="product of partition_dimensions"):
+        strategy.experimental_split_to_logical_devices(t, [2, 2])
+
+
+def test_sync_on_read_counters_sum_and_reset_on_every_device(strategy: ds.TPUStrategy) -> None:
+    with strategy.scope():
+        seen = ds.Variable(
+            0,
+            synchronization=ds.VariableSynchronization.ON_READ,
+            aggregation=ds.VariableAggregation.SUM,
+        )
+    for _ in range(2):
+        for _ in range(2):
+            strategy.run(
+                lambda: seen.assign_add(
+                    torch.tensor(ds.get_replica_context().replica_id_in_sync_group + 1)
+                )
+            )
+        with strategy.scope():
+            assert int(seen.read_value()) == 20
+            seen.assign(0)  # every device's copy, not only those that alias by pointer
+            assert [int(c.cpu()) for c in seen.values] == [0, 0, 0, 0]
+
+
+def test_fit_matches_fit_under_the_default_strategy(strategy: ds.TPUStrategy) -> None:
+    """Shuffled epochs (each its own order) and a partial last batch, as on the CPU."""
+    assert_same_history(fit_history(strategy), fit_history(ds.get_strategy()))

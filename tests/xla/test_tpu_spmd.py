@@ -1,0 +1,148 @@
+"""TPUStrategy in SPMD mode: one program over a (data, model) mesh of 4 XLA devices.
+
+Run in its own process (``-m spmd``): torch_xla's SPMD mode is process-wide.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch_xla", reason="needs torch_xla (the XLA lane: .ci/xla)")
+
+import torch
+import torch_xla
+from _common import (
+    GLOBAL_BATCH,
+    assert_close_to_reference,
+    assert_same_history,
+    cpu_reference,
+    data,
+    fit_history,
+    train,
+)
+
+import distribute as ds
+from distribute.collectives import xla
+
+pytestmark = pytest.mark.spmd
+
+
+def _sharding(t: torch.Tensor) -> str:
+    return str(torch_xla._XLAC._get_xla_sharding_spec(t))
+
+
+@pytest.fixture(scope="module")
+def strategy() -> ds.TPUStrategy:
+    return ds.TPUStrategy(experimental_spmd_xla_partitioning=True)
+
+
+def test_fn_runs_once_over_the_global_batch_sharded_on_the_data_axis(
+    strategy: ds.TPUStrategy,
+) -> None:
+    assert strategy.spmd and strategy.num_replicas_in_sync == 4
+    x = torch.arange(32.0).reshape(16, 2)
+    calls = []
+
+    def fn(batch: torch.Tensor) -> torch.Tensor:
+        calls.append((tuple(batch.shape), _sharding(batch)))
+        return batch * 2
+
+    (batch,) = list(strategy.experimental_distribute_dataset([x]))
+    out = strategy.run(fn, args=(batch,))
+    assert calls == [((16, 2), "{devices=[4,1]0,1,2,3}")]
+    assert torch.equal(out.cpu(), x * 2)
+
+
+def test_returned_values_are_global(strategy: ds.TPUStrategy) -> None:
+    x = torch.arange(12.0).reshape(12, 1)
+    (batch,) = list(strategy.experimental_distribute_dataset([x]))
+    per_example = strategy.run(lambda b: b[:, 0], args=(batch,))
+    assert strategy.experimental_local_results(per_example)[0] is per_example
+    assert torch.equal(strategy.gather(per_example, axis=0).cpu(), x[:, 0])
+    assert float(strategy.reduce("sum", per_example, axis=0)) == float(x.sum())
+    assert float(strategy.reduce("mean", per_example, axis=0)) == float(x.mean())
+    total = strategy.run(lambda b: b.sum(), args=(batch,))
+    assert float(strategy.reduce("sum", total, axis=None)) == float(x.sum())
+
+
+def test_compute_average_loss_divides_by_the_global_batch(strategy: ds.TPUStrategy) -> None:
+    (batch,) = list(strategy.experimental_distribute_dataset([torch.ones(GLOBAL_BATCH, 1)]))
+    out = strategy.run(lambda b: ds.compute_average_loss(b.sum(dim=1)), args=(batch,))
+    assert float(out) == pytest.approx(1.0)
+    reg = strategy.run(lambda: ds.scale_regularization_loss(torch.tensor(3.0)))
+    assert float(reg) == pytest.approx(3.0)  # one program: not divided by 4
+
+
+def test_datasets_from_function_concatenate_the_replicas_batches(
+    strategy: ds.TPUStrategy,
+) -> None:
+    contexts = []
+
+    def dataset_fn(ctx: ds.InputContext) -> list[torch.Tensor]:
+        contexts.append((ctx.num_replicas_in_sync, ctx.get_per_replica_batch_size(8)))
+        return [torch.full((2, 1), float(k)) for k in range(10)]
+
+    batches = [b.cpu() for b in strategy.distribute_datasets_from_function(dataset_fn)]
+    assert contexts == [(4, 2)]
+    assert [b.shape[0] for b in batches] == [8, 8, 4]  # 10 per-replica batches: 4 + 4 + 2
+    assert batches[0][:, 0].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert batches[2][:, 0].tolist() == [8, 8, 9, 9]
+
+
+def test_training_matches_cpu_and_compiles_once_per_input_shape(
+    strategy: ds.TPUStrategy,
+) -> None:
+    x, y = data()
+    counts: list[int] = []
+    got = train(strategy, x, y, on_step=lambda i: counts.append(xla.compile_count()))
+    assert_close_to_reference(got, cpu_reference(x, y))
+    assert counts[18] == counts[2], counts  # full batches reuse the graph
+    assert counts[19] - counts[18] <= 2, counts  # the partial batch: its own shape
+
+
+def test_logical_devices_are_sharding_annotations() -> None:
+    topology = ds.tpu.initialize_tpu_system(ds.cluster_resolver.TPUClusterResolver())
+    assignment = ds.tpu.DeviceAssignment.build(topology, [1, 1, 1, 2], num_replicas=2)
+    strategy = ds.TPUStrategy(
+        experimental_device_assignment=assignment, experimental_spmd_xla_partitioning=True
+    )
+    assert strategy.num_replicas_in_sync == 2
+    w = torch.ones(4, 6, device="xla:0")
+    # Split 2 ways along dim 1 inside each replica, the same on both replicas: part 0
+    # on each replica's logical core 0 (devices 0 and 2), part 1 on core 1 (1 and 3).
+    split = strategy.experimental_split_to_logical_devices(w, [1, 2])
+    assert _sharding(split) == "{devices=[1,2,2]0,2,1,3 last_tile_dim_replicate}"
+    v = strategy.experimental_replicate_to_logical_devices(torch.ones(3, device="xla:0"))
+    assert _sharding(v) == "{replicated}"
+    with pytest.raises(ValueError, match="not supported in SPMD mode"):
+        strategy.experimental_assign_to_logical_device(w, 0)
+    with pytest.raises(ValueError, match="product of partition_dimensions"):
+        strategy.experimental_split_to_logical_devices(w, [1, 1])
+    x = torch.arange(16.0).reshape(4, 4)
+    (batch,) = list(strategy.experimental_distribute_dataset([x]))
+    out = strategy.run(
+        lambda b: strategy.experimental_split_to_logical_devices(b @ b, [1, 2]).sum(dim=1),
+        args=(batch,),
+    )
+    assert torch.equal(out.cpu(), (x @ x).sum(dim=1))
+
+
+def test_an_assignment_that_leaves_devices_out_is_refused_under_spmd() -> None:
+    topology = ds.tpu.initialize_tpu_system()
+    assignment = ds.tpu.DeviceAssignment.build(topology, [1, 1, 1, 2], num_replicas=1)
+    with pytest.raises(ValueError, match="covers 1 replica"):
+        ds.TPUStrategy(
+            experimental_device_assignment=assignment, experimental_spmd_xla_partitioning=True
+        )
+
+
+def test_replica_mode_is_refused_in_a_process_already_in_spmd_mode(
+    strategy: ds.TPUStrategy,
+) -> None:
+    with pytest.raises(ValueError, match="already runs torch_xla in SPMD mode"):
+        ds.TPUStrategy()
+
+
+def test_fit_matches_fit_under_the_default_strategy(strategy: ds.TPUStrategy) -> None:
+    """Shuffled epochs (each its own order) and a partial last batch, as on the CPU."""
+    assert_same_history(fit_history(strategy), fit_history(ds.get_strategy()))
