@@ -24,6 +24,7 @@ from __future__ import annotations
 from distribute import (
     checkpoint,
     cluster_resolver,
+    coordinator,
     data,
     errors,
     experimental,
@@ -48,6 +49,7 @@ from distribute.context import (
     has_strategy,
     in_cross_replica_context,
 )
+from distribute.coordinator._variables import ParameterServerVariable, ShardedVariable
 from distribute.data.dataset import DistributedDataset, DistributedIterator
 from distribute.data.options import (
     AutoShardPolicy,
@@ -62,6 +64,7 @@ from distribute.strategies.central_storage import CentralStorageStrategy
 from distribute.strategies.mirrored import MirroredStrategy
 from distribute.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from distribute.strategies.one_device import OneDeviceStrategy
+from distribute.strategies.parameter_server import ParameterServerStrategy, Server
 from distribute.strategies.tpu import TPUStrategy
 from distribute.training import Model, callbacks, metrics
 from distribute.values import DistributedValues, Mirrored, PerReplica
@@ -94,11 +97,15 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
+    "ParameterServerStrategy",
+    "ParameterServerVariable",
     "PerReplica",
     "RNGState",
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaContext",
+    "Server",
+    "ShardedVariable",
     "Strategy",
     "StrategyExtended",
     "SyncOnReadVariable",
@@ -110,6 +117,7 @@ __all__ = [
     "checkpoint",
     "cluster_resolver",
     "compute_average_loss",
+    "coordinator",
     "data",
     "errors",
     "experimental",

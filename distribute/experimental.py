@@ -1,14 +1,15 @@
-"""`ds.experimental`: communication options and value contexts."""
+"""`ds.experimental`: communication options, value contexts and variable partitioners."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
 
+from distribute import partitioners
 from distribute.data.options import ValueContext
 from distribute.errors import InvalidArgumentError
 
-__all__ = ["CommunicationImplementation", "CommunicationOptions", "ValueContext"]
+__all__ = ["CommunicationImplementation", "CommunicationOptions", "ValueContext", "partitioners"]
 
 
 class CommunicationImplementation(enum.Enum):

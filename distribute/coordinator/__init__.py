@@ -1,0 +1,31 @@
+"""`ds.coordinator`: scheduling closures onto parameter-server workers.
+
+Example::
+
+    strategy = ds.ParameterServerStrategy(resolver)
+    coordinator = ds.coordinator.ClusterCoordinator(strategy)
+    value = coordinator.schedule(step_fn, args=(iterator,))
+    coordinator.join()
+"""
+
+from __future__ import annotations
+
+from distribute.coordinator._coordinator import (
+    ClosureCancelledError,
+    ClusterCoordinator,
+    PerWorkerValues,
+    RemoteValue,
+    WorkerLostError,
+)
+from distribute.coordinator._runtime import PsUnavailableError
+from distribute.coordinator.local import LocalCluster
+
+__all__ = [
+    "ClosureCancelledError",
+    "ClusterCoordinator",
+    "LocalCluster",
+    "PerWorkerValues",
+    "PsUnavailableError",
+    "RemoteValue",
+    "WorkerLostError",
+]

@@ -1,0 +1,426 @@
+"""`ClusterCoordinator`: schedules closures onto idle workers, at least once each.
+
+# NOTE [scheduling]
+One dispatcher thread per worker takes the next closure from a shared queue, sends
+it (the function once per worker, by key; the arguments each time, with any
+`PerWorkerValues` replaced by that worker's element) and waits for its result,
+so an idle worker takes the next closure as soon as it is free.
+
+* A closure that raises: its `RemoteValue` holds the error; the error is raised
+  by the next `schedule`, `join` or `done`, and every queued closure is cancelled.
+* A worker that dies (its call fails: the transport notices a dead peer at
+  once) is dropped and its closure goes back to the front of the queue: another
+  worker runs it (at-least-once). With no worker left, the queue fails.
+* A ps that does not answer fails the closure with `PsUnavailableError`, which
+  stops the queue: training cannot go on without its variables.
+* Every wait is bounded: a closure by the strategy's timeout (then it counts as
+  its worker's death), `RemoteValue.fetch` by the closures' fate.
+
+Example::
+
+    coordinator = ds.coordinator.ClusterCoordinator(strategy)
+    values = [coordinator.schedule(step, args=(it,)) for _ in range(10)]
+    coordinator.join()
+    print(coordinator.fetch(values))
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+
+from distribute import values as nest
+from distribute.coordinator import _runtime
+from distribute.errors import DistributeError, InvalidArgumentError
+
+__all__ = [
+    "ClosureCancelledError",
+    "ClusterCoordinator",
+    "PerWorkerValues",
+    "RemoteValue",
+    "WorkerLostError",
+]
+
+
+class ClosureCancelledError(DistributeError, RuntimeError):
+    """A closure was cancelled because an earlier one failed."""
+
+
+class WorkerLostError(DistributeError, ConnectionError):
+    """Every worker died: nothing is left to run closures."""
+
+
+class RemoteValue:
+    """The future result of a scheduled closure.
+
+    Example::
+
+        value = coordinator.schedule(lambda: 41 + 1)
+        value.fetch()    # 42 (waits for the closure)
+    """
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def _set(self, value: Any = None, error: BaseException | None = None) -> None:
+        if self._done.is_set():
+            return
+        self._value, self._error = value, error
+        self._done.set()
+
+    def fetch(self) -> Any:
+        """Waits for the closure and returns its result (raises its error)."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def get(self) -> Any:
+        """Same as `fetch`."""
+        return self.fetch()
+
+    def __repr__(self) -> str:
+        state = "done" if self._done.is_set() else "pending"
+        return f"RemoteValue({state})"
+
+
+class PerWorkerValues:
+    """One value per worker (a per-worker dataset or iterator); a closure given one
+    as an argument gets the element of the worker that runs it.
+
+    Example::
+
+        iterators = iter(coordinator.create_per_worker_dataset(dataset_fn))
+        coordinator.schedule(step, args=(iterators,))
+    """
+
+    def __init__(self, values: Sequence[Any]) -> None:
+        self._values = tuple(values)
+
+    @property
+    def values(self) -> tuple[Any, ...]:
+        """The elements, in worker order."""
+        return self._values
+
+    def __repr__(self) -> str:
+        return f"PerWorkerValues({len(self._values)} workers)"
+
+
+class _Resource:
+    """A per-worker object (dataset, iterator), referred to by key; unpickled on a
+    worker it is that worker's object."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __reduce__(self) -> Any:
+        return (_resolve_resource, (self.key,))
+
+
+def _resolve_resource(key: str) -> Any:
+    return _runtime.current().resources[key]
+
+
+class _PerWorkerDataset(PerWorkerValues):
+    """`create_per_worker_dataset`'s result: `iter()` makes per-worker iterators."""
+
+    def __init__(self, coordinator: ClusterCoordinator, values: Sequence[Any]) -> None:
+        super().__init__(values)
+        self._coordinator = coordinator
+
+    def __iter__(self) -> PerWorkerValues:
+        return self._coordinator._per_worker(None, self)
+
+
+@dataclass
+class _Closure:
+    key: str
+    blob: bytes
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    result: RemoteValue
+
+
+class ClusterCoordinator:
+    """Schedules functions onto a `ParameterServerStrategy`'s workers.
+
+    One per strategy. Functions and their arguments are shipped with cloudpickle:
+    a function refers to variables and modules built in the strategy's scope, and
+    to per-worker datasets, and they resolve on the worker.
+
+    Args:
+        strategy: a `ParameterServerStrategy`.
+
+    Raises:
+        InvalidArgumentError: not a `ParameterServerStrategy`, or it already has a
+            coordinator.
+
+    Example::
+
+        coordinator = ds.coordinator.ClusterCoordinator(strategy)
+        result = coordinator.schedule(step_fn, args=(per_worker_iterator,))
+        coordinator.join()
+        result.fetch()
+    """
+
+    def __init__(self, strategy: Any) -> None:
+        from distribute.strategies.parameter_server import ParameterServerStrategy
+
+        if not isinstance(strategy, ParameterServerStrategy):
+            raise InvalidArgumentError(
+                f"ClusterCoordinator needs a ParameterServerStrategy, got {type(strategy).__name__}"
+            )
+        if strategy._coordinator is not None:
+            raise InvalidArgumentError(
+                "this ParameterServerStrategy already has a ClusterCoordinator; use that one "
+                "(there is one coordinator per strategy)"
+            )
+        strategy._coordinator = self
+        self._strategy = strategy
+        self._runtime = strategy._runtime
+        self._workers = list(strategy._cluster.workers)
+        self._alive = set(self._workers)
+        self._queue: collections.deque[_Closure] = collections.deque()
+        self._cond = threading.Condition()
+        self._inflight = 0
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._sent: dict[str, set[str]] = {w: set() for w in self._workers}
+        self._keys: dict[int, tuple[Callable[..., Any], str, bytes]] = {}
+        self._threads = [
+            threading.Thread(
+                target=self._dispatch, args=(w,), name=f"distribute-ps-{w}", daemon=True
+            )
+            for w in self._workers
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # -- the public surface ---------------------------------------------------------
+
+    def schedule(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> RemoteValue:
+        """Queues `fn(*args, **kwargs)` to run on an idle worker; returns at once.
+
+        Raises:
+            the first error of an earlier closure (the queue was cancelled).
+            InvalidArgumentError: a `RemoteValue` among the arguments (fetch it first).
+        """
+        self._raise_error()
+        args, kwargs = tuple(args or ()), dict(kwargs or {})
+        for leaf in nest.flatten((args, kwargs)):
+            if isinstance(leaf, RemoteValue):
+                raise InvalidArgumentError(
+                    "a RemoteValue was passed to schedule(); pass its fetched value "
+                    "(coordinator.fetch(value)) instead"
+                )
+        self._strategy._publish()
+        key, blob = self._function_key(fn)
+        result = RemoteValue()
+        with self._cond:
+            self._queue.append(_Closure(key, blob, args, kwargs, result))
+            self._cond.notify()
+        return result
+
+    def join(self) -> None:
+        """Waits until every scheduled closure has run; refreshes the chief's copies
+        of the variables.
+
+        Raises:
+            the first error of a closure since the last `join`.
+        """
+        with self._cond:
+            while (self._queue or self._inflight) and self._error is None:
+                self._cond.wait(0.5)
+        self._raise_error()
+        runtime = self._runtime
+        runtime.refresh(
+            [i for i, v in runtime.variables.items() if _is_whole(runtime, i)], runtime.locations
+        )
+
+    def done(self) -> bool:
+        """Whether every scheduled closure has run (raises a closure's error)."""
+        self._raise_error()
+        with self._cond:
+            return not self._queue and not self._inflight
+
+    def fetch(self, val: Any) -> Any:
+        """`val` with every `RemoteValue` replaced by its result (waits for them).
+
+        Example::
+
+            coordinator.fetch([v1, v2])   # [result1, result2]
+        """
+
+        def get(leaf: Any) -> Any:
+            if isinstance(leaf, RemoteValue):
+                return leaf.fetch()
+            if isinstance(leaf, PerWorkerValues):
+                return tuple(get(v) for v in leaf.values)
+            return leaf
+
+        return nest.map_structure(get, val)
+
+    def create_per_worker_dataset(self, dataset_fn: Callable[[], Any]) -> PerWorkerValues:
+        """Builds ``dataset_fn()`` on every worker; `iter()` of the result gives
+        per-worker iterators to pass to `schedule`.
+
+        Example::
+
+            per_worker = coordinator.create_per_worker_dataset(lambda: loader)
+            iterators = iter(per_worker)
+        """
+        return self._per_worker(cloudpickle.dumps(dataset_fn), None)
+
+    # -- internals ------------------------------------------------------------------
+
+    def _per_worker(self, blob: bytes | None, source: PerWorkerValues | None) -> PerWorkerValues:
+        key = uuid.uuid4().hex
+        runtime = self._runtime
+        src_key = None
+        if source is not None:
+            first = source.values[0]
+            assert isinstance(first, _Resource)
+            src_key = first.key
+        futures = [
+            (
+                w,
+                runtime.transport.call(
+                    w, _runtime.worker_make_resource, (key, blob or b"", src_key), runtime.timeout
+                ),
+            )
+            for w in self._workers
+            if w in self._alive
+        ]
+        for worker, future in futures:
+            try:
+                future.wait()
+            except RuntimeError as e:
+                if _runtime._is_remote_user_error(e):
+                    raise
+                self._lose(worker)
+        resources = [_Resource(key) for _ in self._workers]
+        if source is None:
+            return _PerWorkerDataset(self, resources)
+        return PerWorkerValues(resources)
+
+    def _function_key(self, fn: Callable[..., Any]) -> tuple[str, bytes]:
+        cached = self._keys.get(id(fn))
+        if cached is not None and cached[0] is fn:
+            return cached[1], cached[2]
+        blob = cloudpickle.dumps(fn)
+        key = uuid.uuid4().hex
+        self._keys[id(fn)] = (fn, key, blob)
+        return key, blob
+
+    def _raise_error(self) -> None:
+        with self._cond:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _fail(self, error: BaseException) -> None:
+        """Records the first error and cancels every queued closure."""
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            cancelled = list(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+        for closure in cancelled:
+            closure.result._set(
+                error=ClosureCancelledError(
+                    f"this closure was cancelled because an earlier one failed: {error}"
+                )
+            )
+
+    def _lose(self, worker: str) -> None:
+        with self._cond:
+            self._alive.discard(worker)
+            alive = bool(self._alive)
+        if not alive:
+            self._fail(
+                WorkerLostError(
+                    f"every worker is gone (the last was {worker}); restart the workers "
+                    "(and the chief, which cannot take them back yet)"
+                )
+            )
+
+    def _dispatch(self, worker: str) -> None:
+        runtime = self._runtime
+        index = self._workers.index(worker)
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                closure = self._queue.popleft()
+                self._inflight += 1
+            try:
+                outcome = self._send(runtime, worker, index, closure)
+            finally:
+                with self._cond:
+                    self._inflight -= 1
+                    self._cond.notify_all()
+            if outcome == "lost":
+                return
+
+    def _send(self, runtime: _runtime.Runtime, worker: str, index: int, closure: _Closure) -> str:
+        def for_worker(leaf: Any) -> Any:
+            return leaf.values[index] if isinstance(leaf, PerWorkerValues) else leaf
+
+        try:
+            args_blob = cloudpickle.dumps(
+                (
+                    nest.map_structure(for_worker, closure.args),
+                    nest.map_structure(for_worker, closure.kwargs),
+                )
+            )
+        except Exception as e:
+            closure.result._set(error=e)
+            self._fail(e)
+            return "failed"
+        blob = None if closure.key in self._sent[worker] else closure.blob
+        try:
+            result = runtime.transport.call(
+                worker, _runtime.worker_run, (closure.key, blob, args_blob), runtime.timeout
+            ).wait()
+        except Exception:
+            # The worker died (or did not answer in time): another one runs the closure.
+            with self._cond:
+                self._queue.appendleft(closure)
+                self._cond.notify()
+            self._lose(worker)
+            return "lost"
+        self._sent[worker].add(closure.key)
+        if isinstance(result, _runtime.ClosureFailure):
+            error = result.error
+            closure.result._set(error=error)
+            self._fail(error)
+            return "failed"
+        closure.result._set(value=result)
+        return "ok"
+
+    def _stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+
+def _is_whole(runtime: _runtime.Runtime, var_id: int) -> bool:
+    from distribute.strategies.parameter_server import _sharded_ids
+
+    return var_id not in _sharded_ids(runtime)

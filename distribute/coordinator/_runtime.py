@@ -1,0 +1,284 @@
+"""What each parameter-server task keeps, and the functions other tasks call on it.
+
+# NOTE [task runtime]
+rpc calls a module-level function by name in the receiving process, so what it
+acts on lives in that process: the `Runtime` installed by `ds.Server` (ps and
+worker tasks) or by the strategy (the chief). It is this process's one piece of
+state outside the strategy/context stack, and it belongs to the task, not to a
+strategy: a process is one task of one cluster.
+
+* A **ps** task holds variables by id (`_Store`) and one optimizer per (optimizer,
+  ps) with the optimizer's state, so updates are applied where the variables are.
+* A **worker** task keeps the functions it was sent (by key, so a step function
+  crosses the wire once), the variables they refer to (local copies, refreshed from
+  the ps tasks at the start of every closure), and per-worker resources (datasets,
+  iterators) by key.
+* The **chief** refreshes its copies when the coordinator joins.
+
+Example::
+
+    runtime = install(Runtime("ps_0", timeout=60.0))
+    runtime.transport = RpcTransport.start(...)
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+import torch
+
+from distribute.coordinator._transport import Transport
+from distribute.errors import DistributeError, InvalidArgumentError
+
+__all__ = ["ClosureFailure", "PsUnavailableError", "Runtime", "current", "install"]
+
+
+class PsUnavailableError(DistributeError, ConnectionError):
+    """A ps task did not answer (it died, or its host is unreachable)."""
+
+
+@dataclass
+class ClosureFailure:
+    """A closure's exception, sent back to the coordinator with its traceback."""
+
+    error: BaseException
+    text: str
+    ps_failure: bool = False
+
+
+@dataclass
+class _Store:
+    """A ps task's variables and optimizers."""
+
+    variables: dict[int, torch.Tensor] = field(default_factory=dict)
+    optimizers: dict[tuple[Any, ...], torch.optim.Optimizer] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _NotConnected:
+    """The transport of a runtime that is installed but not yet connected."""
+
+    name = "unconnected"
+
+    def call(self, task: str, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> Any:
+        raise PsUnavailableError(f"this task is not connected to the cluster yet (calling {task})")
+
+    def shutdown(self) -> None:
+        pass
+
+
+class Runtime:
+    """One task's parameter-server state (NOTE [task runtime]).
+
+    Installed before the task connects, so that calls arriving as soon as the
+    transport is up find it.
+    """
+
+    def __init__(self, name: str, timeout: float) -> None:
+        self.name = name
+        self.transport: Transport = _NotConnected()
+        self.timeout = timeout
+        self.store = _Store()
+        self.functions: dict[str, Any] = {}
+        self.resources: dict[str, Any] = {}
+        self.variables: dict[int, torch.Tensor] = {}  # local copies, by id
+        self.locations: dict[int, str] = {}  # the ps task of each variable
+        self.stopped = threading.Event()
+        self.strategy: Any = None  # the strategy closures see on a worker
+
+    # -- talking to ps tasks --------------------------------------------------------
+
+    def ps_call(self, task: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Calls `fn` on ps `task` and waits; a dead ps becomes `PsUnavailableError`."""
+        try:
+            return self.transport.call(task, fn, args, self.timeout).wait()
+        except RuntimeError as e:
+            if _is_remote_user_error(e):
+                raise
+            raise PsUnavailableError(
+                f"parameter server {task} did not answer {self.name} within "
+                f"{self.timeout:.0f} s ({_first_line(e)}); the cluster cannot go on without "
+                "it: restart the cluster and restore from the last checkpoint"
+            ) from None
+
+    def refresh(self, ids: Iterable[int], locations: dict[int, str]) -> None:
+        """Reads the current values of variables `ids` into the local copies, one
+        request per ps task."""
+        by_task: dict[str, list[int]] = {}
+        for var_id in ids:
+            by_task.setdefault(locations[var_id], []).append(var_id)
+        futures = [
+            (ids_, self.transport.call(task, ps_read, (ids_,), self.timeout))
+            for task, ids_ in by_task.items()
+        ]
+        for (ids_, future), task in zip(futures, by_task):
+            try:
+                values = future.wait()
+            except RuntimeError as e:
+                raise PsUnavailableError(
+                    f"parameter server {task} did not answer {self.name} within "
+                    f"{self.timeout:.0f} s ({_first_line(e)}); restart the cluster and "
+                    "restore from the last checkpoint"
+                ) from None
+            with torch.no_grad():
+                for var_id, value in zip(ids_, values):
+                    local = self.variables.get(var_id)
+                    if local is not None:
+                        torch.Tensor.copy_(local.as_subclass(torch.Tensor), value)
+
+
+_current: Runtime | None = None
+
+
+def install(runtime: Runtime | None) -> Runtime | None:
+    """Makes `runtime` this process's (None removes it)."""
+    global _current
+    _current = runtime
+    return runtime
+
+
+def current() -> Runtime:
+    """This process's runtime.
+
+    Raises:
+        InvalidArgumentError: this process is not a task of a parameter-server cluster.
+    """
+    if _current is None:
+        raise InvalidArgumentError(
+            "this process is not a task of a parameter-server cluster: build the "
+            "ParameterServerStrategy on the chief, and run ds.Server(resolver).join() "
+            "on the ps and worker tasks"
+        )
+    return _current
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+
+
+def _is_remote_user_error(e: RuntimeError) -> bool:
+    """rpc re-raises a remote function's exception as its type; transport failures
+    are bare RuntimeErrors naming the transport."""
+    text = str(e)
+    return not any(
+        marker in text
+        for marker in ("eof", "ECONNREFUSED", "ECONNRESET", "connection", "timed out", "Timeout")
+    )
+
+
+# -- functions run on ps tasks ---------------------------------------------------------------
+
+
+def ps_create(var_id: int, value: torch.Tensor) -> None:
+    store = current().store
+    with store.lock:
+        store.variables[var_id] = value.clone()
+
+
+def ps_read(ids: list[int]) -> list[torch.Tensor]:
+    store = current().store
+    with store.lock:
+        return [store.variables[i].clone() for i in ids]
+
+
+def ps_read_rows(var_id: int, rows: torch.Tensor) -> torch.Tensor:
+    store = current().store
+    with store.lock:
+        return store.variables[var_id].index_select(0, rows)
+
+
+def ps_write(var_id: int, kind: str, value: torch.Tensor) -> torch.Tensor:
+    """``assign`` / ``assign_add`` / ``assign_sub`` of one variable; returns its value."""
+    store = current().store
+    with store.lock, torch.no_grad():
+        var = store.variables[var_id]
+        if kind == "assign":
+            var.copy_(value)
+        elif kind == "assign_add":
+            var.add_(value.to(var.dtype))
+        else:
+            var.sub_(value.to(var.dtype))
+        return var.clone()
+
+
+def ps_apply(
+    key: tuple[Any, ...],
+    optimizer_cls: type[torch.optim.Optimizer],
+    groups: list[dict[str, Any]],
+    dense: dict[int, torch.Tensor],
+    sparse: dict[int, tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """Applies one optimizer step to this ps's variables of an optimizer.
+
+    ``groups`` are the optimizer's param groups with variable ids for params (this
+    ps's only) and the current hyperparameters; ``dense`` maps an id to its
+    gradient, ``sparse`` to (rows, row gradients), summed into a dense gradient of
+    the shard here so that only the rows crossed the wire.
+    """
+    store = current().store
+    with store.lock:
+        optimizer = store.optimizers.get(key)
+        if optimizer is None:
+            params = [{**g, "params": [store.variables[i] for i in g["params"]]} for g in groups]
+            optimizer = optimizer_cls(params)  # type: ignore[call-arg]  # subclasses take params first
+            store.optimizers[key] = optimizer
+        for group, sent in zip(optimizer.param_groups, groups):
+            group.update({k: v for k, v in sent.items() if k != "params"})
+        for var_id, var in ((i, store.variables[i]) for g in groups for i in g["params"]):
+            if var_id in dense:
+                var.grad = dense[var_id].to(var.dtype)
+            elif var_id in sparse:
+                rows, values = sparse[var_id]
+                var.grad = torch.zeros_like(var).index_add_(0, rows, values.to(var.dtype))
+            else:
+                var.grad = None
+        optimizer.step()
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                p.grad = None
+
+
+# -- functions run on worker tasks -----------------------------------------------------------
+
+
+def worker_run(key: str, blob: bytes | None, args_blob: bytes) -> Any:
+    """Runs closure `key` (its function sent once, as `blob`) on this worker.
+
+    Returns the closure's result, or a `ClosureFailure` (the coordinator raises it).
+    """
+    runtime = current()
+    try:
+        fn = runtime.functions.get(key)
+        if fn is None:
+            if blob is None:
+                raise InvalidArgumentError(f"worker {runtime.name} was never sent function {key}")
+            fn = runtime.functions[key] = cloudpickle.loads(blob)
+        args, kwargs = cloudpickle.loads(args_blob)
+        return runtime.strategy._run_closure(fn, args, kwargs)
+    except PsUnavailableError as e:
+        return ClosureFailure(e, traceback.format_exc(), ps_failure=True)
+    except BaseException as e:
+        return ClosureFailure(e, traceback.format_exc())
+
+
+def worker_make_resource(key: str, blob: bytes, source: str | None) -> None:
+    """Builds a per-worker resource: ``fn()`` (a dataset), or ``iter()`` of another."""
+    runtime = current()
+    if source is None:
+        runtime.resources[key] = runtime.strategy._call_in_worker(cloudpickle.loads(blob))
+    else:
+        runtime.resources[key] = iter(runtime.resources[source])
+
+
+def worker_ping() -> str:
+    return current().name
+
+
+def stop_task() -> None:
+    """Ends a ps or worker task's `Server.join()` (the cluster is shutting down)."""
+    current().stopped.set()

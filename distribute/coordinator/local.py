@@ -1,0 +1,128 @@
+"""A parameter-server cluster on this machine: ps and worker tasks as local processes.
+
+From Python, this process is the chief::
+
+    with ds.coordinator.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = ds.ParameterServerStrategy(cluster.resolver)
+        ...
+
+From one command, a chief script with its ps and worker tasks (the script reads its
+cluster from ``TF_CONFIG``, as on a real cluster)::
+
+    python -m distribute.coordinator.local --workers 2 --ps 1 -- \\
+        examples/train_digits.py --strategy parameter_server
+
+Each task is a fresh interpreter running ``ds.Server(resolver).join()`` with its own
+``TF_CONFIG`` on a free loopback port (``OMP_NUM_THREADS=1`` unless set); this
+process's environment is not written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from distribute.cluster_resolver.simple import SimpleClusterResolver
+from distribute.launch import free_ports
+
+__all__ = ["LocalCluster", "main"]
+
+
+class LocalCluster:
+    """Starts `num_ps` ps and `num_workers` worker tasks; this process is the chief.
+
+    Args:
+        num_workers: worker tasks.
+        num_ps: ps tasks.
+        env: extra environment variables for the tasks.
+
+    Example::
+
+        with LocalCluster(num_workers=2, num_ps=1) as cluster:
+            strategy = ds.ParameterServerStrategy(cluster.resolver)
+    """
+
+    def __init__(
+        self, num_workers: int = 2, num_ps: int = 1, env: dict[str, str] | None = None
+    ) -> None:
+        ports = free_ports(1 + num_workers + num_ps)
+        self.spec = {
+            "chief": [f"127.0.0.1:{ports[0]}"],
+            "worker": [f"127.0.0.1:{p}" for p in ports[1 : 1 + num_workers]],
+            "ps": [f"127.0.0.1:{p}" for p in ports[1 + num_workers :]],
+        }
+        self.resolver = SimpleClusterResolver(self.spec, task_type="chief", task_id=0)
+        self._env = dict(env or {})
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        for job in ("ps", "worker"):
+            for index in range(len(self.spec[job])):
+                self.processes[f"{job}_{index}"] = self._start(job, index)
+
+    def tf_config(self, job: str, index: int) -> str:
+        """The ``TF_CONFIG`` of task (job, index)."""
+        return json.dumps({"cluster": self.spec, "task": {"type": job, "index": index}})
+
+    def _start(self, job: str, index: int) -> subprocess.Popen[bytes]:
+        env = {**os.environ, **self._env, "TF_CONFIG": self.tf_config(job, index)}
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return subprocess.Popen(
+            [sys.executable, "-m", "distribute.coordinator.serve"],
+            env=env,
+            start_new_session=True,
+        )
+
+    def kill(self, task: str) -> None:
+        """Kills task `task` (``"worker_1"``, ``"ps_0"``) with SIGKILL."""
+        proc = self.processes[task]
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def wait(self, timeout: float = 30.0) -> dict[str, int | None]:
+        """Waits for every task to exit (up to `timeout`); returns exit codes, None
+        for a task still running (it is then killed)."""
+        deadline = time.monotonic() + timeout
+        codes: dict[str, int | None] = {}
+        for name, proc in self.processes.items():
+            try:
+                codes[name] = proc.wait(max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                codes[name] = None
+                self.kill(name)
+        return codes
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wait(10.0 if exc[0] is None else 0.01)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m distribute.coordinator.local --workers N --ps M -- script.py [args]``."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--ps", type=int, default=1)
+    parser.add_argument("script", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    script = [a for a in args.script if a != "--"]
+    if not script:
+        parser.error("give the chief's script after --")
+    cluster = LocalCluster(args.workers, args.ps)
+    env: dict[str, Any] = {**os.environ, "TF_CONFIG": cluster.tf_config("chief", 0)}
+    code = subprocess.call([sys.executable, *script], env=env)
+    codes = cluster.wait(30.0)
+    failed = {k: v for k, v in codes.items() if v != 0}
+    if failed:
+        print(f"tasks that did not exit cleanly: {failed}", file=sys.stderr)
+    return code or (1 if failed else 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,464 @@
+"""`ParameterServerStrategy` and `ds.Server`: asynchronous training with parameter servers.
+
+A cluster has one ``chief`` (it runs the user's program and coordinates), ``worker``
+tasks (they run scheduled closures) and ``ps`` tasks (they hold the variables and
+apply the updates). ps and worker tasks run ``ds.Server(resolver).join()``. The
+chief builds the strategy, creates variables in its scope (each goes to a ps task,
+round-robin, or split by a `variable_partitioner` into a `ShardedVariable`) and
+schedules step functions with `ds.coordinator.ClusterCoordinator`.
+
+Every task joins through this library's rendezvous at the chief's address (a task
+started with another cluster spec, or a second process claiming a task, is refused
+there, naming the difference), then talks through `_transport.Transport` (rpc).
+
+Rpc names: ``chief``, ``worker_<i>``, ``ps_<i>``; ranks: chief 0, workers 1..W, ps after.
+
+Example::
+
+    # chief
+    strategy = ds.ParameterServerStrategy(ds.cluster_resolver.TFConfigClusterResolver())
+    coordinator = ds.coordinator.ClusterCoordinator(strategy)
+    # every ps and worker task
+    ds.Server(ds.cluster_resolver.TFConfigClusterResolver()).join()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from distribute import context
+from distribute._enums import VariableAggregation, VariableSynchronization
+from distribute.cluster_resolver.base import ClusterResolver
+from distribute.cluster_resolver.cluster_spec import split_host_port
+from distribute.collectives._rendezvous import rendezvous
+from distribute.coordinator import _runtime
+from distribute.coordinator._transport import RpcTransport
+from distribute.coordinator._variables import (
+    ParameterServerVariable,
+    ShardedVariable,
+    VarHandle,
+    next_id,
+    split_rows,
+)
+from distribute.errors import InvalidArgumentError
+from distribute.strategies._replicated import ReplicatedExtended
+from distribute.strategies.base import Strategy
+
+__all__ = ["ParameterServerStrategy", "Server"]
+
+logger = logging.getLogger(__name__)
+
+#: How long any one call between tasks may take before it fails (seconds).
+DEFAULT_TIMEOUT_SECONDS = 60.0
+
+
+def task_name(task_type: str, task_id: int) -> str:
+    return "chief" if task_type == "chief" else f"{task_type}_{task_id}"
+
+
+class _Cluster:
+    """The parameter-server view of a cluster spec: tasks, rpc names and ranks."""
+
+    def __init__(self, resolver: ClusterResolver) -> None:
+        spec = resolver.cluster_spec().as_dict()
+        self.spec = spec
+        workers = list(spec.get("worker", []))
+        ps = list(spec.get("ps", []))
+        chief = list(spec.get("chief", []))
+        if not workers or not ps or len(chief) != 1:
+            raise InvalidArgumentError(
+                f"a parameter-server cluster needs one 'chief', at least one 'worker' and at "
+                f"least one 'ps' task, got chief={len(chief)}, worker={len(workers)}, "
+                f"ps={len(ps)} in {spec}"
+            )
+        self.workers = [task_name("worker", i) for i in range(len(workers))]
+        self.ps = [task_name("ps", i) for i in range(len(ps))]
+        self.names = ["chief", *self.workers, *self.ps]
+        self.host, self.port = split_host_port(str(chief[0]), where="the chief's address")
+        self.fingerprint = json.dumps({k: spec[k] for k in sorted(spec)}, sort_keys=True)
+
+    def rank(self, name: str) -> int:
+        return self.names.index(name)
+
+
+def _connect(
+    resolver: ClusterResolver, cluster: _Cluster, name: str, timeout: float
+) -> RpcTransport:
+    store = rendezvous(
+        cluster.rank(name),
+        len(cluster.names),
+        cluster.host,
+        cluster.port,
+        timeout,
+        cluster=cluster.fingerprint,
+        prefix="ps/",
+    )
+    return RpcTransport.start(
+        name,
+        rank=cluster.rank(name),
+        world_size=len(cluster.names),
+        store=store,
+        timeout_seconds=timeout,
+    )
+
+
+class _ParameterServerExtended(ReplicatedExtended):
+    """Contexts of one replica per task (closures run on one worker each); variables
+    created in scope go to ps tasks."""
+
+    def __init__(
+        self,
+        container_strategy: ParameterServerStrategy,
+        ps_tasks: Sequence[str],
+        partitioner: Callable[[Sequence[int], torch.dtype], list[int]] | None,
+        timeout: float,
+    ) -> None:
+        super().__init__(container_strategy, ["cpu"], wrap_single_values=False)
+        self._ps_tasks = list(ps_tasks)
+        self._partitioner = partitioner
+        self._timeout = timeout
+        self._next_ps = 0
+        self._colocate: str | None = None
+        self._pending: list[ParameterServerVariable | ShardedVariable] = []
+        self._ps_lock = threading.Lock()
+
+    @property
+    def parameter_devices(self) -> tuple[torch.device, ...]:
+        return (torch.device("cpu"),)
+
+    def _place(self) -> str:
+        if self._colocate is not None:
+            return self._colocate
+        task = self._ps_tasks[self._next_ps % len(self._ps_tasks)]
+        self._next_ps += 1
+        return task
+
+    def _create_variable(
+        self,
+        value: torch.Tensor,
+        *,
+        trainable: bool,
+        synchronization: VariableSynchronization,
+        aggregation: VariableAggregation,
+        is_param: bool = False,
+        is_buffer: bool = False,
+    ) -> Any:
+        if is_buffer:
+            return value  # buffers stay with the module on each task (README)
+        if synchronization is VariableSynchronization.NONE:
+            raise InvalidArgumentError(
+                "`NONE` variable synchronization is not supported under "
+                "ParameterServerStrategy; use AUTO or ON_WRITE"
+            )
+        if not is_param:
+            trainable = trainable and (value.is_floating_point() or value.is_complex())
+        runtime = _runtime.current()
+        shards = (
+            self._partitioner(tuple(value.shape), value.dtype)
+            if self._partitioner is not None and value.dim() > 0 and self._colocate is None
+            else []
+        )
+        count = shards[0] if shards else 1
+        if count <= 1:
+            handle = self._handle(value, trainable, aggregation)
+            var = ParameterServerVariable._make(value, handle)
+            self._register(runtime, var)
+            self._pending.append(var)
+            return var
+        parts = [
+            ParameterServerVariable._make(part, self._handle(part, trainable, aggregation))
+            for part in split_rows(value.detach(), count)
+        ]
+        for part in parts:
+            self._register(runtime, part)
+        sharded = ShardedVariable(parts)
+        sharded._ds_pending = value.detach().clone()  # type: ignore[attr-defined]  # initialized in place before it is published
+        self._pending.append(sharded)
+        return sharded
+
+    def _handle(
+        self, value: torch.Tensor, trainable: bool, aggregation: VariableAggregation
+    ) -> VarHandle:
+        return VarHandle(
+            next_id(), self._place(), tuple(value.shape), value.dtype, trainable, aggregation
+        )
+
+    @staticmethod
+    def _register(runtime: _runtime.Runtime, var: ParameterServerVariable) -> None:
+        runtime.variables[var.handle.var_id] = var
+        runtime.locations[var.handle.var_id] = var.handle.task
+
+    def _publish(self) -> None:
+        """Sends the variables created since the last call to their ps tasks, with
+        their values now (a module initializes its parameters after creating them)."""
+        with self._ps_lock:
+            pending, self._pending = self._pending, []
+        if not pending:
+            return
+        runtime = _runtime.current()
+        futures = []
+        for var in pending:
+            if isinstance(var, ShardedVariable):
+                whole = var._ds_pending  # type: ignore[attr-defined]  # set at creation
+                del var._ds_pending  # type: ignore[attr-defined]  # now it lives on the ps
+                parts = split_rows(whole, len(var.variables))
+                pairs = list(zip(var.variables, parts))
+            else:
+                pairs = [(var, var.detach())]
+            for shard, value in pairs:
+                with torch.no_grad():
+                    torch.Tensor.copy_(shard.as_subclass(torch.Tensor), value)
+                futures.append(
+                    runtime.transport.call(
+                        shard.handle.task,
+                        _runtime.ps_create,
+                        (shard.handle.var_id, value.detach().as_subclass(torch.Tensor).clone()),
+                        self._timeout,
+                    )
+                )
+        for future in futures:
+            future.wait()
+
+    def _exit_scope(self) -> None:
+        super()._exit_scope()
+        if context._top() is None:
+            self._publish()
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
+        """New variables go to the ps task of `colocate_with_variable` (not sharded)."""
+        var = colocate_with_variable
+        if isinstance(var, ShardedVariable):
+            var = var.variables[0]
+        if not isinstance(var, ParameterServerVariable):
+            raise InvalidArgumentError(
+                f"colocate_vars_with expects a variable of this strategy, got {type(var).__name__}"
+            )
+        previous, self._colocate = self._colocate, var.handle.task
+        try:
+            yield
+        finally:
+            self._colocate = previous
+
+
+class ParameterServerStrategy(Strategy):
+    """Asynchronous data parallelism: variables on ps tasks, steps on worker tasks.
+
+    Build it on the chief; schedule steps with `ds.coordinator.ClusterCoordinator`.
+    ps and worker tasks run ``ds.Server(resolver).join()``.
+
+    Args:
+        cluster_resolver: the cluster (one chief, workers, ps tasks); e.g. a
+            `TFConfigClusterResolver` or `SimpleClusterResolver`, with this process
+            as the chief.
+        variable_partitioner: splits variables along dim 0 into shards
+            (`ds.experimental.partitioners`); None keeps each variable whole.
+        timeout_seconds: the longest any call between tasks may take (a dead
+            task is noticed sooner: its calls fail at once).
+
+    Raises:
+        InvalidArgumentError: a cluster without a chief, a worker or a ps task, or
+            this process is not the chief.
+
+    Example::
+
+        strategy = ds.ParameterServerStrategy(resolver)
+        with strategy.scope():
+            model = torch.nn.Linear(4, 1)                 # parameters on the ps tasks
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        coordinator = ds.coordinator.ClusterCoordinator(strategy)
+        coordinator.schedule(step, args=(batch,))
+        coordinator.join()
+    """
+
+    def __init__(
+        self,
+        cluster_resolver: ClusterResolver,
+        variable_partitioner: Callable[[Sequence[int], torch.dtype], list[int]] | None = None,
+        timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+        *,
+        _task: _runtime.Runtime | None = None,
+    ) -> None:
+        self._resolver = cluster_resolver
+        self._cluster = _Cluster(cluster_resolver)
+        self._timeout = float(timeout_seconds)
+        self._coordinator: Any = None
+        self._closed = False
+        extended = _ParameterServerExtended(
+            self, self._cluster.ps, variable_partitioner, self._timeout
+        )
+        super().__init__(extended)
+        if _task is not None:  # the strategy closures see on a worker task
+            self._runtime = _task
+            return
+        if cluster_resolver.task_type != "chief":
+            raise InvalidArgumentError(
+                f"ParameterServerStrategy is built on the chief, but this process is "
+                f"{cluster_resolver.task_type!r} {cluster_resolver.task_id}; run "
+                "ds.Server(resolver).join() on ps and worker tasks"
+            )
+        runtime = _runtime.Runtime("chief", self._timeout)
+        runtime.strategy = self
+        self._runtime = runtime
+        _runtime.install(runtime)
+        try:
+            runtime.transport = _connect(cluster_resolver, self._cluster, "chief", self._timeout)
+        except BaseException:
+            _runtime.install(None)
+            raise
+
+    def __reduce__(self) -> Any:
+        return (_task_strategy, ())
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver:
+        """The resolver of the cluster."""
+        return self._resolver
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """1: each closure is one replica's step; workers do not synchronize."""
+        return 1
+
+    def _publish(self) -> None:
+        ext = self.extended
+        assert isinstance(ext, _ParameterServerExtended)
+        ext._publish()
+
+    # -- on a worker task -----------------------------------------------------------
+
+    def _call_in_worker(self, fn: Callable[[], Any]) -> Any:
+        with self.scope():
+            return fn()
+
+    def _run_closure(
+        self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> Any:
+        """Runs one closure on this worker with fresh values of every variable."""
+        runtime = self._runtime
+        sharded = _sharded_ids(runtime)
+        runtime.refresh([i for i in runtime.variables if i not in sharded], runtime.locations)
+        with self.scope():
+            return fn(*args, **kwargs)
+
+    # -- shutting down ----------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stops every ps and worker task (their `Server.join()` returns) and this
+        chief's endpoint. Called at exit if not before."""
+        if self._closed or self._runtime.name != "chief":
+            return
+        self._closed = True
+        if self._coordinator is not None:
+            self._coordinator._stop()
+        runtime = self._runtime
+        futures = []
+        for name in [*self._cluster.workers, *self._cluster.ps]:
+            with contextlib.suppress(Exception):
+                futures.append(runtime.transport.call(name, _runtime.stop_task, (), 5.0))
+        for future in futures:
+            with contextlib.suppress(Exception):
+                future.wait()
+        runtime.transport.shutdown()
+        _runtime.install(None)
+
+    def __repr__(self) -> str:
+        return (
+            f"ParameterServerStrategy(workers={len(self._cluster.workers)}, "
+            f"ps={len(self._cluster.ps)})"
+        )
+
+
+def _sharded_ids(runtime: _runtime.Runtime) -> set[int]:
+    out: set[int] = set()
+    for resource in runtime.resources.values():
+        if isinstance(resource, ShardedVariable):
+            out.update(s.handle.var_id for s in resource.variables)
+    return out
+
+
+def _task_strategy() -> ParameterServerStrategy:
+    """The strategy a closure captured, on the task that unpickles it."""
+    strategy = _runtime.current().strategy
+    assert isinstance(strategy, ParameterServerStrategy)
+    return strategy
+
+
+class Server:
+    """Runs a ps or worker task of a parameter-server cluster.
+
+    Args:
+        cluster_resolver: the cluster, with this process's task (`task_type` "ps"
+            or "worker", `task_id`).
+        timeout_seconds: the longest one call between tasks may take.
+
+    Raises:
+        InvalidArgumentError: the task is not a ps or worker task of the cluster.
+
+    Example::
+
+        ds.Server(ds.cluster_resolver.TFConfigClusterResolver()).join()
+    """
+
+    #: How often a task checks that the chief is alive while it waits.
+    _PING_SECONDS = 1.0
+
+    def __init__(
+        self, cluster_resolver: ClusterResolver, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+    ) -> None:
+        task_type, task_id = cluster_resolver.task_type, cluster_resolver.task_id
+        if task_type not in ("ps", "worker") or task_id is None:
+            raise InvalidArgumentError(
+                f"ds.Server runs 'ps' and 'worker' tasks, got {task_type!r} {task_id}; the "
+                "chief builds ParameterServerStrategy instead"
+            )
+        cluster = _Cluster(cluster_resolver)
+        self._name = task_name(task_type, task_id)
+        if self._name not in cluster.names:
+            raise InvalidArgumentError(
+                f"task {task_type} {task_id} is not in the cluster {cluster.spec}"
+            )
+        runtime = _runtime.Runtime(self._name, float(timeout_seconds))
+        runtime.strategy = ParameterServerStrategy(
+            cluster_resolver, timeout_seconds=timeout_seconds, _task=runtime
+        )
+        self._runtime = runtime
+        _runtime.install(runtime)
+        try:
+            runtime.transport = _connect(cluster_resolver, cluster, self._name, timeout_seconds)
+        except BaseException:
+            _runtime.install(None)
+            raise
+
+    def join(self) -> None:
+        """Serves until the chief shuts the cluster down, then returns.
+
+        Raises:
+            ConnectionError: the chief stopped answering without shutting down.
+        """
+        runtime = self._runtime
+        misses = 0
+        while not runtime.stopped.wait(self._PING_SECONDS):
+            try:
+                runtime.transport.call("chief", _runtime.worker_ping, (), 5.0).wait()
+                misses = 0
+            except Exception:
+                misses += 1
+                if misses >= 3 and not runtime.stopped.is_set():
+                    runtime.transport.shutdown()
+                    _runtime.install(None)
+                    raise ConnectionError(
+                        f"{self._name}: the chief stopped answering without shutting the "
+                        "cluster down (it died?); this task exits"
+                    ) from None
+        time.sleep(0.1)  # lets the chief's stop call return before the endpoint closes
+        runtime.transport.shutdown()
+        _runtime.install(None)
