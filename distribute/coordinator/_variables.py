@@ -305,8 +305,10 @@ class ShardedVariable(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*tree_map(whole, args), **tree_map(whole, kwargs))
 
-    @classmethod  # type: ignore[override]  # torch's stub omits func
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]  # torch's stub omits func
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         """Ops below autograd (a detach, a copy) see the whole value."""
 
         def whole(x: Any) -> Any:
