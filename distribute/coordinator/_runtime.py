@@ -246,20 +246,42 @@ def ps_apply(
 # -- functions run on worker tasks -----------------------------------------------------------
 
 
+_loading = threading.local()
+
+
+def note_variable(var_id: int) -> None:
+    """Records that the object being unpickled refers to variable `var_id`."""
+    seen = getattr(_loading, "seen", None)
+    if seen is not None:
+        seen.add(var_id)
+
+
+def _load(blob: bytes) -> tuple[Any, set[int]]:
+    """Unpickles `blob`; returns it and the variables it refers to."""
+    seen: set[int] = set()
+    _loading.seen = seen
+    try:
+        return cloudpickle.loads(blob), seen
+    finally:
+        _loading.seen = None
+
+
 def worker_run(key: str, blob: bytes | None, args_blob: bytes) -> Any:
-    """Runs closure `key` (its function sent once, as `blob`) on this worker.
+    """Runs closure `key` (its function sent once, as `blob`) on this worker, with
+    fresh values of the variables the function and its arguments refer to.
 
     Returns the closure's result, or a `ClosureFailure` (the coordinator raises it).
     """
     runtime = current()
     try:
-        fn = runtime.functions.get(key)
-        if fn is None:
+        cached = runtime.functions.get(key)
+        if cached is None:
             if blob is None:
                 raise InvalidArgumentError(f"worker {runtime.name} was never sent function {key}")
-            fn = runtime.functions[key] = cloudpickle.loads(blob)
-        args, kwargs = cloudpickle.loads(args_blob)
-        return runtime.strategy._run_closure(fn, args, kwargs)
+            cached = runtime.functions[key] = _load(blob)
+        fn, fn_vars = cached
+        (args, kwargs), arg_vars = _load(args_blob)
+        return runtime.strategy._run_closure(fn, args, kwargs, fn_vars | arg_vars)
     except PsUnavailableError as e:
         return ClosureFailure(e, traceback.format_exc(), ps_failure=True)
     except BaseException as e:

@@ -145,6 +145,7 @@ class ParameterServerVariable(torch.nn.Parameter):
 def _rebuild_variable(handle: VarHandle) -> ParameterServerVariable:
     """A variable unpickled in a task: that task's one local copy of it."""
     runtime = _runtime.current()
+    _runtime.note_variable(handle.var_id)
     local = runtime.variables.get(handle.var_id)
     if local is None:
         local = ParameterServerVariable._make(torch.zeros(handle.shape, dtype=handle.dtype), handle)

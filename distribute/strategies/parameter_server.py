@@ -340,12 +340,17 @@ class ParameterServerStrategy(Strategy):
             return fn()
 
     def _run_closure(
-        self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        variables: set[int],
     ) -> Any:
-        """Runs one closure on this worker with fresh values of every variable."""
+        """Runs one closure on this worker with fresh values of `variables` (a
+        sharded variable's shards are read when used, rows only for lookups)."""
         runtime = self._runtime
         sharded = _sharded_ids(runtime)
-        runtime.refresh([i for i in runtime.variables if i not in sharded], runtime.locations)
+        runtime.refresh(sorted(variables - sharded), runtime.locations)
         with self.scope():
             return fn(*args, **kwargs)
 
