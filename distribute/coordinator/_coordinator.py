@@ -136,8 +136,24 @@ class _PerWorkerDataset(PerWorkerValues):
         super().__init__(values)
         self._coordinator = coordinator
 
-    def __iter__(self) -> PerWorkerValues:
-        return self._coordinator._per_worker(None, self)
+    def __iter__(self) -> _PerWorkerIterators:
+        iterators = self._coordinator._per_worker(None, self)
+        assert isinstance(iterators, _PerWorkerIterators)
+        return iterators
+
+
+class _PerWorkerIterators(PerWorkerValues):
+    """`iter()` of a per-worker dataset: one iterator per worker, to pass to
+    `schedule` (a closure calls ``next()`` on its worker's)."""
+
+    def __iter__(self) -> _PerWorkerIterators:
+        return self
+
+    def __next__(self) -> Any:
+        raise InvalidArgumentError(
+            "next() of per-worker iterators runs on the workers: pass the iterators to "
+            "coordinator.schedule(fn, args=(iterators,)) and call next() inside fn"
+        )
 
 
 @dataclass
@@ -314,7 +330,7 @@ class ClusterCoordinator:
         resources = [_Resource(key) for _ in self._workers]
         if source is None:
             return _PerWorkerDataset(self, resources)
-        return PerWorkerValues(resources)
+        return _PerWorkerIterators(resources)
 
     def _function_key(self, fn: Callable[..., Any]) -> tuple[str, bytes]:
         cached = self._keys.get(id(fn))

@@ -24,11 +24,13 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -307,6 +309,8 @@ class ParameterServerStrategy(Strategy):
             )
         runtime = _runtime.Runtime("chief", self._timeout)
         runtime.strategy = self
+        # An endpoint left open at exit aborts the interpreter; the tasks must hear.
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
         self._runtime = runtime
         _runtime.install(runtime)
         try:
@@ -380,6 +384,12 @@ class ParameterServerStrategy(Strategy):
             f"ParameterServerStrategy(workers={len(self._cluster.workers)}, "
             f"ps={len(self._cluster.ps)})"
         )
+
+
+def _shutdown_at_exit(ref: weakref.ref[ParameterServerStrategy]) -> None:
+    strategy = ref()
+    if strategy is not None:
+        strategy.shutdown()
 
 
 def _sharded_ids(runtime: _runtime.Runtime) -> set[int]:
