@@ -13,7 +13,7 @@ The training step is written once; only the strategy object changes:
     PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 .xla-venv/bin/python examples/train_digits.py \
         --strategy tpu [--spmd]           # TPUStrategy on torch_xla (see the README)
     python examples/train_digits.py --strategy parameter_server   # starts 2 workers + 1 ps here
-    python -m distribute.coordinator.local --workers 2 --ps 1 -- \
+    python -m distribute.coordinator.launch --workers 2 --ps 1 -- \
         examples/train_digits.py --strategy parameter_server     # the cluster from TF_CONFIG
 
 The data (1,797 8x8 images) ships with scikit-learn: nothing is downloaded.

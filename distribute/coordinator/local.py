@@ -9,7 +9,7 @@ From Python, this process is the chief::
 From one command, a chief script with its ps and worker tasks (the script reads its
 cluster from ``TF_CONFIG``, as on a real cluster)::
 
-    python -m distribute.coordinator.local --workers 2 --ps 1 -- \\
+    python -m distribute.coordinator.launch --workers 2 --ps 1 -- \\
         examples/train_digits.py --strategy parameter_server
 
 Each task is a fresh interpreter running ``ds.Server(resolver).join()`` with its own
@@ -105,7 +105,7 @@ class LocalCluster:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m distribute.coordinator.local --workers N --ps M -- script.py [args]``."""
+    """``python -m distribute.coordinator.launch --workers N --ps M -- script.py [args]``."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--ps", type=int, default=1)
@@ -124,5 +124,3 @@ def main(argv: list[str] | None = None) -> int:
     return code or (1 if failed else 0)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
