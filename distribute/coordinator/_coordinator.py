@@ -1,10 +1,12 @@
 """`ClusterCoordinator`: schedules closures onto idle workers, at least once each.
 
 # NOTE [scheduling]
-One dispatcher thread per worker takes the next closure from a shared queue, sends
-it (the function once per worker, by key; the arguments each time, with any
-`PerWorkerValues` replaced by that worker's element) and waits for its result,
-so an idle worker takes the next closure as soon as it is free.
+Closures wait in one queue; whenever a closure is scheduled or a worker finishes
+one, queued closures are sent to idle workers (the function once per worker, by
+key; the arguments each time, with any `PerWorkerValues` replaced by that worker's
+element). Sending happens in the thread that schedules, and a result is handled
+in the transport's thread that receives it, so no thread sits between a closure
+and its worker.
 
 * A closure that raises: its `RemoteValue` holds the error; the error is raised
   by the next `schedule`, `join` or `done`, and every queued closure is cancelled.
@@ -211,14 +213,7 @@ class ClusterCoordinator:
         self._stopping = False
         self._sent: dict[str, set[str]] = {w: set() for w in self._workers}
         self._keys: dict[int, tuple[Callable[..., Any], str, bytes]] = {}
-        self._threads = [
-            threading.Thread(
-                target=self._dispatch, args=(w,), name=f"distribute-ps-{w}", daemon=True
-            )
-            for w in self._workers
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._idle = list(self._workers)
 
     # -- the public surface ---------------------------------------------------------
 
@@ -247,7 +242,7 @@ class ClusterCoordinator:
         result = RemoteValue()
         with self._cond:
             self._queue.append(_Closure(key, blob, args, kwargs, result))
-            self._cond.notify()
+        self._pump()
         return result
 
     def join(self) -> None:
@@ -374,27 +369,20 @@ class ClusterCoordinator:
                 )
             )
 
-    def _dispatch(self, worker: str) -> None:
-        runtime = self._runtime
-        index = self._workers.index(worker)
+    def _pump(self) -> None:
+        """Sends queued closures to idle workers (NOTE [scheduling])."""
         while True:
             with self._cond:
-                while not self._queue and not self._stopping:
-                    self._cond.wait()
-                if self._stopping:
+                if self._stopping or not self._queue or not self._idle:
                     return
                 closure = self._queue.popleft()
+                worker = self._idle.pop(0)
                 self._inflight += 1
-            try:
-                outcome = self._send(runtime, worker, index, closure)
-            finally:
-                with self._cond:
-                    self._inflight -= 1
-                    self._cond.notify_all()
-            if outcome == "lost":
-                return
+            self._send(worker, closure)
 
-    def _send(self, runtime: _runtime.Runtime, worker: str, index: int, closure: _Closure) -> str:
+    def _send(self, worker: str, closure: _Closure) -> None:
+        index = self._workers.index(worker)
+
         def for_worker(leaf: Any) -> Any:
             return leaf.values[index] if isinstance(leaf, PerWorkerValues) else leaf
 
@@ -407,28 +395,52 @@ class ClusterCoordinator:
             )
         except Exception as e:
             closure.result._set(error=e)
+            self._finish(worker, idle=True)
             self._fail(e)
-            return "failed"
+            return
         blob = None if closure.key in self._sent[worker] else closure.blob
+        self._sent[worker].add(closure.key)
+        runtime = self._runtime
         try:
-            result = runtime.transport.call(
+            future = runtime.transport.call(
                 worker, _runtime.worker_run, (closure.key, blob, args_blob), runtime.timeout
-            ).wait()
+            )
+        except Exception:
+            self._requeue(worker, closure)
+            return
+        future.add_done_callback(lambda f: self._on_done(worker, closure, f))
+
+    def _on_done(self, worker: str, closure: _Closure, future: Any) -> None:
+        """A closure's call ended (in the transport's thread)."""
+        try:
+            result = future.value()
         except Exception:
             # The worker died (or did not answer in time): another one runs the closure.
-            with self._cond:
-                self._queue.appendleft(closure)
-                self._cond.notify()
-            self._lose(worker)
-            return "lost"
-        self._sent[worker].add(closure.key)
+            self._requeue(worker, closure)
+            return
         if isinstance(result, _runtime.ClosureFailure):
-            error = result.error
-            closure.result._set(error=error)
-            self._fail(error)
-            return "failed"
+            closure.result._set(error=result.error)
+            self._finish(worker, idle=True)
+            self._fail(result.error)
+            return
         closure.result._set(value=result)
-        return "ok"
+        self._finish(worker, idle=True)
+        self._pump()
+
+    def _requeue(self, worker: str, closure: _Closure) -> None:
+        with self._cond:
+            self._queue.appendleft(closure)
+        self._sent[worker].clear()
+        self._finish(worker, idle=False)
+        self._lose(worker)
+        self._pump()
+
+    def _finish(self, worker: str, *, idle: bool) -> None:
+        with self._cond:
+            self._inflight -= 1
+            if idle and worker in self._alive:
+                self._idle.append(worker)
+            self._cond.notify_all()
 
     def _stop(self) -> None:
         with self._cond:

@@ -122,5 +122,3 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"tasks that did not exit cleanly: {failed}", file=sys.stderr)
     return code or (1 if failed else 0)
-
-
