@@ -24,6 +24,7 @@ from __future__ import annotations
 from distribute import (
     checkpoint,
     cluster_resolver,
+    compat,
     coordinator,
     data,
     errors,
@@ -116,6 +117,7 @@ __all__ = [
     "callbacks",
     "checkpoint",
     "cluster_resolver",
+    "compat",
     "compute_average_loss",
     "coordinator",
     "data",

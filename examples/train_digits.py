@@ -15,6 +15,7 @@ The training step is written once; only the strategy object changes:
     python examples/train_digits.py --strategy parameter_server   # starts 2 workers + 1 ps here
     python -m distribute.coordinator.launch --workers 2 --ps 1 -- \
         examples/train_digits.py --strategy parameter_server     # the cluster from TF_CONFIG
+    python examples/train_digits.py --strategy parameter_server_v1  # compat.v1: 2 workers' loops
 
 The data (1,797 8x8 images) ships with scikit-learn: nothing is downloaded.
 """
@@ -41,6 +42,7 @@ STRATEGIES = (
     "multi_worker",
     "tpu",
     "parameter_server",
+    "parameter_server_v1",
 )
 
 
@@ -127,6 +129,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.strategy == "parameter_server":
         return main_parameter_server(args)
+    if args.strategy == "parameter_server_v1":
+        return main_parameter_server_v1(args, argv)
     if args.api == "fit":
         return main_fit(args)
 
@@ -336,6 +340,72 @@ def main_parameter_server(args: argparse.Namespace) -> dict[str, Any]:
         "test_accuracy": history[-1]["test_accuracy"],
         "seconds": round(time.perf_counter() - start, 2),
     }
+    print(json.dumps(result))
+    return result
+
+
+def main_parameter_server_v1(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
+    """The compat.v1 style: every worker runs this loop on its share of the data,
+    its 2 local replicas in sync, the workers asynchronous; ps tasks hold the
+    variables. Without TF_CONFIG, starts 2 workers (this script) and 1 ps here."""
+    import os
+
+    if "TF_CONFIG" not in os.environ:
+        from distribute.coordinator.local import main as launch
+
+        own = list(sys.argv[1:] if argv is None else argv)
+        code = launch(["--v1", "--workers", "2", "--ps", "1", "--", __file__, *own])
+        raise SystemExit(code)
+    strategy = ds.compat.v1.ParameterServerStrategy(devices=["cpu:0", "cpu:1"])
+    resolver = strategy.cluster_resolver
+    index, workers = resolver.task_id, len(resolver.cluster_spec().as_dict()["worker"])
+    train_set, test_set = load_data(args.seed)
+    mine = torch.utils.data.Subset(train_set, range(index, len(train_set), workers))
+    loader = DataLoader(
+        mine,
+        batch_size=args.batch_size,
+        shuffle=True,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed + index),
+    )
+    torch.manual_seed(args.seed)
+    with strategy.scope():
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)
+        )
+        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+        global_step = ds.Variable(
+            0, trainable=False, aggregation=ds.VariableAggregation.ONLY_FIRST_REPLICA
+        )
+
+    def train_step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        per_example = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+        loss = ds.compute_average_loss(per_example, global_batch_size=args.batch_size)
+        loss.backward()
+        optimizer.step()  # the local replicas' sum, applied on the ps
+        optimizer.zero_grad()
+        global_step.assign_add(1)  # once per step of this worker (its first replica)
+        return loss.detach()
+
+    start = time.perf_counter()
+    dataset = strategy.experimental_distribute_dataset(loader)
+    for _ in range(args.epochs):
+        for batch in dataset:
+            loss = float(strategy.reduce("sum", strategy.run(train_step, args=(batch,)), axis=None))
+    x, y = test_set.tensors
+    accuracy = strategy.run(
+        lambda: float((model(x).argmax(dim=1) == y).float().mean())
+    )  # run reads the latest values first
+    result = {
+        "strategy": "parameter_server_v1",
+        "worker": index,
+        "final_loss": loss,
+        "test_accuracy": strategy.experimental_local_results(accuracy)[0],
+        "global_step": int(global_step.read_value()),
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+    strategy.shutdown()
     print(json.dumps(result))
     return result
 

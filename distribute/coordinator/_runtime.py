@@ -89,6 +89,8 @@ class Runtime:
         self.variables: dict[int, torch.Tensor] = {}  # local copies, by id
         self.locations: dict[int, str] = {}  # the ps task of each variable
         self.stopped = threading.Event()
+        self.workers_done: set[str] = set()  # compat.v1: workers that finished
+        self.expected_workers: set[str] = set()
         self.strategy: Any = None  # the strategy closures see on a worker
 
     # -- talking to ps tasks --------------------------------------------------------
@@ -299,6 +301,14 @@ def worker_make_resource(key: str, blob: bytes, source: str | None) -> None:
 
 def worker_ping() -> str:
     return current().name
+
+
+def ps_worker_done(worker: str) -> None:
+    """A worker of the compat.v1 style finished; the ps stops when all have."""
+    runtime = current()
+    runtime.workers_done.add(worker)
+    if runtime.expected_workers <= runtime.workers_done:
+        runtime.stopped.set()
 
 
 def stop_task() -> None:

@@ -40,17 +40,13 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
+from distribute import context
 from distribute._enums import VariableAggregation
 from distribute.coordinator import _runtime
+from distribute.errors import InvalidArgumentError
 from distribute.partitioners import shard_sizes
 
 __all__ = ["ParameterServerVariable", "ShardedVariable", "VarHandle"]
-
-_ids = itertools.count(1)
-
-
-def next_id() -> int:
-    return next(_ids)
 
 
 @dataclass(frozen=True)
@@ -80,6 +76,7 @@ class ParameterServerVariable(torch.nn.Parameter):
     """
 
     _ds_handle: VarHandle
+    _ds_on_parameter_server = True  # the optimizer hooks leave it to the ps
 
     @staticmethod
     def _make(value: torch.Tensor, handle: VarHandle) -> ParameterServerVariable:
@@ -121,6 +118,25 @@ class ParameterServerVariable(torch.nn.Parameter):
 
     def _write(self, kind: str, value: Any) -> torch.Tensor:
         tensor = torch.as_tensor(value, dtype=self.dtype).detach().cpu()
+        replica = context.get_replica_context()
+        replicas = replica.strategy.extended._num_replicas_in_sync() if replica else 1
+        if replicas > 1:  # several local replicas (compat.v1): follow the aggregation
+            aggregation = self._ds_handle.aggregation
+            if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+                if replica is not None and replica.local_replica_id != 0:
+                    return self.detach().as_subclass(torch.Tensor).clone()
+            elif aggregation is VariableAggregation.MEAN:
+                if kind == "assign":
+                    raise InvalidArgumentError(
+                        "assign of a MEAN variable in replica context: use assign_add or "
+                        "assign_sub (each replica's share is added), or ONLY_FIRST_REPLICA"
+                    )
+                tensor = tensor / replicas
+            elif aggregation is VariableAggregation.NONE and kind == "assign":
+                raise InvalidArgumentError(
+                    f"{replicas} replicas would each assign this variable (aggregation NONE); "
+                    "give it aggregation=ONLY_FIRST_REPLICA, SUM or MEAN"
+                )
         new = _runtime.current().ps_call(
             self._ds_handle.task, _runtime.ps_write, self._ds_handle.var_id, kind, tensor
         )
@@ -171,6 +187,7 @@ class ShardedVariable(torch.Tensor):
         [v.shape[0] for v in table.weight.variables]    # [500, 500]
     """
 
+    _ds_on_parameter_server = True
     _ds_shards: tuple[ParameterServerVariable, ...]
     _ds_lock: threading.Lock
     _ds_reads: list[tuple[torch.Tensor | None, torch.Tensor]]
@@ -217,8 +234,6 @@ class ShardedVariable(torch.Tensor):
         """Writes `value` (the full shape) into the shards."""
         tensor = torch.as_tensor(value, dtype=self.dtype)
         if tuple(tensor.shape) != tuple(self.shape):
-            from distribute.errors import InvalidArgumentError
-
             raise InvalidArgumentError(
                 f"assign of shape {tuple(tensor.shape)} to a ShardedVariable of shape "
                 f"{tuple(self.shape)}; assign a value of the variable's full shape"
@@ -365,6 +380,17 @@ def _push_gradients(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) ->
         for p in g["params"]
     ):
         return
+    replica = context.get_replica_context()
+    if replica is not None and replica.strategy.extended._num_replicas_in_sync() > 1:
+        # Local replicas share each variable's copy, so its gradient already holds
+        # their sum once all have arrived: one of them sends it, once.
+        replica.merge_call(lambda strategy: _send_gradients(optimizer))
+        return
+    _send_gradients(optimizer)
+
+
+def _send_gradients(optimizer: torch.optim.Optimizer) -> None:
+    groups = optimizer.param_groups
     runtime = _runtime.current()
     dense: dict[str, dict[int, torch.Tensor]] = {}
     sparse: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}

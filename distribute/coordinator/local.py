@@ -7,10 +7,13 @@ From Python, this process is the chief::
         ...
 
 From one command, a chief script with its ps and worker tasks (the script reads its
-cluster from ``TF_CONFIG``, as on a real cluster)::
+cluster from ``TF_CONFIG``, as on a real cluster); with ``--v1``, the compat.v1
+style: ps tasks, and the script once per worker::
 
     python -m distribute.coordinator.launch --workers 2 --ps 1 -- \\
         examples/train_digits.py --strategy parameter_server
+    python -m distribute.coordinator.launch --v1 --workers 2 --ps 1 -- \\
+        examples/train_digits.py --strategy parameter_server_v1
 
 Each task is a fresh interpreter running ``ds.Server(resolver).join()`` with its own
 ``TF_CONFIG`` on a free loopback port (``OMP_NUM_THREADS=1`` unless set); this
@@ -49,18 +52,29 @@ class LocalCluster:
     """
 
     def __init__(
-        self, num_workers: int = 2, num_ps: int = 1, env: dict[str, str] | None = None
+        self,
+        num_workers: int = 2,
+        num_ps: int = 1,
+        env: dict[str, str] | None = None,
+        *,
+        chief: bool = True,
     ) -> None:
-        ports = free_ports(1 + num_workers + num_ps)
-        self.spec = {
-            "chief": [f"127.0.0.1:{ports[0]}"],
-            "worker": [f"127.0.0.1:{p}" for p in ports[1 : 1 + num_workers]],
-            "ps": [f"127.0.0.1:{p}" for p in ports[1 + num_workers :]],
-        }
-        self.resolver = SimpleClusterResolver(self.spec, task_type="chief", task_id=0)
+        ports = free_ports(int(chief) + num_workers + num_ps)
+        addresses = [f"127.0.0.1:{p}" for p in ports]
+        self.spec: dict[str, list[str]] = {}
+        if chief:
+            self.spec["chief"] = addresses[:1]
+        first = int(chief)
+        self.spec["worker"] = addresses[first : first + num_workers]
+        self.spec["ps"] = addresses[first + num_workers :]
+        # The chief's resolver (TF2 style); without a chief (compat.v1), start each
+        # worker's program with `tf_config("worker", i)`.
+        self.resolver = SimpleClusterResolver(
+            self.spec, task_type="chief" if chief else "worker", task_id=0
+        )
         self._env = dict(env or {})
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
-        for job in ("ps", "worker"):
+        for job in ("ps", "worker") if chief else ("ps",):
             for index in range(len(self.spec[job])):
                 self.processes[f"{job}_{index}"] = self._start(job, index)
 
@@ -109,14 +123,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--ps", type=int, default=1)
+    parser.add_argument(
+        "--v1",
+        action="store_true",
+        help="the compat.v1 style: no chief, the script runs once per worker",
+    )
     parser.add_argument("script", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     script = [a for a in args.script if a != "--"]
     if not script:
-        parser.error("give the chief's script after --")
-    cluster = LocalCluster(args.workers, args.ps)
-    env: dict[str, Any] = {**os.environ, "TF_CONFIG": cluster.tf_config("chief", 0)}
-    code = subprocess.call([sys.executable, *script], env=env)
+        parser.error("give the chief's (with --v1: every worker's) script after --")
+    cluster = LocalCluster(args.workers, args.ps, chief=not args.v1)
+    tasks = [("worker", i) for i in range(args.workers)] if args.v1 else [("chief", 0)]
+    programs = [
+        subprocess.Popen(
+            [sys.executable, *script],
+            env={**os.environ, "TF_CONFIG": cluster.tf_config(job, index)},
+        )
+        for job, index in tasks
+    ]
+    code = max(abs(p.wait()) for p in programs)
     codes = cluster.wait(30.0)
     failed = {k: v for k, v in codes.items() if v != 0}
     if failed:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import json
 import logging
 import threading
@@ -47,7 +48,6 @@ from distribute.coordinator._variables import (
     ParameterServerVariable,
     ShardedVariable,
     VarHandle,
-    next_id,
     split_rows,
 )
 from distribute.errors import InvalidArgumentError
@@ -67,7 +67,12 @@ def task_name(task_type: str, task_id: int) -> str:
 
 
 class _Cluster:
-    """The parameter-server view of a cluster spec: tasks, rpc names and ranks."""
+    """The parameter-server view of a cluster spec: tasks, rpc names and ranks.
+
+    With a ``chief`` (TF2 style) the chief coordinates and serves the rendezvous;
+    without one (the compat.v1 between-graph style) every worker runs the program
+    and worker 0 serves it.
+    """
 
     def __init__(self, resolver: ClusterResolver) -> None:
         spec = resolver.cluster_spec().as_dict()
@@ -75,16 +80,18 @@ class _Cluster:
         workers = list(spec.get("worker", []))
         ps = list(spec.get("ps", []))
         chief = list(spec.get("chief", []))
-        if not workers or not ps or len(chief) != 1:
+        if not workers or not ps or len(chief) > 1:
             raise InvalidArgumentError(
-                f"a parameter-server cluster needs one 'chief', at least one 'worker' and at "
-                f"least one 'ps' task, got chief={len(chief)}, worker={len(workers)}, "
+                f"a parameter-server cluster needs at least one 'worker' and one 'ps' task "
+                f"(and at most one 'chief'), got chief={len(chief)}, worker={len(workers)}, "
                 f"ps={len(ps)} in {spec}"
             )
+        self.has_chief = bool(chief)
         self.workers = [task_name("worker", i) for i in range(len(workers))]
         self.ps = [task_name("ps", i) for i in range(len(ps))]
-        self.names = ["chief", *self.workers, *self.ps]
-        self.host, self.port = split_host_port(str(chief[0]), where="the chief's address")
+        self.names = [*(["chief"] if chief else []), *self.workers, *self.ps]
+        first = chief[0] if chief else workers[0]
+        self.host, self.port = split_host_port(str(first), where=f"the address of {self.names[0]}")
         self.fingerprint = json.dumps({k: spec[k] for k in sorted(spec)}, sort_keys=True)
 
     def rank(self, name: str) -> int:
@@ -93,7 +100,7 @@ class _Cluster:
 
 def _connect(
     resolver: ClusterResolver, cluster: _Cluster, name: str, timeout: float
-) -> RpcTransport:
+) -> tuple[RpcTransport, Any]:
     store = rendezvous(
         cluster.rank(name),
         len(cluster.names),
@@ -103,13 +110,14 @@ def _connect(
         cluster=cluster.fingerprint,
         prefix="ps/",
     )
-    return RpcTransport.start(
+    transport = RpcTransport.start(
         name,
         rank=cluster.rank(name),
         world_size=len(cluster.names),
         store=store,
         timeout_seconds=timeout,
     )
+    return transport, store
 
 
 class _ParameterServerExtended(ReplicatedExtended):
@@ -118,12 +126,20 @@ class _ParameterServerExtended(ReplicatedExtended):
 
     def __init__(
         self,
-        container_strategy: ParameterServerStrategy,
+        container_strategy: Strategy,
         ps_tasks: Sequence[str],
         partitioner: Callable[[Sequence[int], torch.dtype], list[int]] | None,
         timeout: float,
+        devices: Sequence[str] = ("cpu",),
     ) -> None:
-        super().__init__(container_strategy, ["cpu"], wrap_single_values=False)
+        super().__init__(container_strategy, list(devices), wrap_single_values=False)
+        # Ids by creation order: every worker of the compat.v1 style builds the same
+        # variables in the same order, so they agree on ids without talking.
+        self._ids = itertools.count(1)
+        # compat.v1: one worker publishes initial values, the others wait for them.
+        self._publishes = True
+        self._barrier: Any = None
+        self._rounds = 0
         self._ps_tasks = list(ps_tasks)
         self._partitioner = partitioner
         self._timeout = timeout
@@ -190,7 +206,7 @@ class _ParameterServerExtended(ReplicatedExtended):
         self, value: torch.Tensor, trainable: bool, aggregation: VariableAggregation
     ) -> VarHandle:
         return VarHandle(
-            next_id(), self._place(), tuple(value.shape), value.dtype, trainable, aggregation
+            next(self._ids), self._place(), tuple(value.shape), value.dtype, trainable, aggregation
         )
 
     @staticmethod
@@ -204,6 +220,13 @@ class _ParameterServerExtended(ReplicatedExtended):
         with self._ps_lock:
             pending, self._pending = self._pending, []
         if not pending:
+            return
+        self._rounds += 1
+        if not self._publishes:
+            for var in pending:  # worker 0 sends the initial values; they arrive there
+                if isinstance(var, ShardedVariable):
+                    del var._ds_pending  # type: ignore[attr-defined]  # set at creation
+            self._barrier.wait([f"published/{self._rounds}"])
             return
         runtime = _runtime.current()
         futures = []
@@ -228,6 +251,8 @@ class _ParameterServerExtended(ReplicatedExtended):
                 )
         for future in futures:
             future.wait()
+        if self._barrier is not None:
+            self._barrier.set(f"published/{self._rounds}", "1")
 
     def _exit_scope(self) -> None:
         super()._exit_scope()
@@ -301,6 +326,12 @@ class ParameterServerStrategy(Strategy):
         if _task is not None:  # the strategy closures see on a worker task
             self._runtime = _task
             return
+        if not self._cluster.has_chief:
+            raise InvalidArgumentError(
+                "ParameterServerStrategy (TF2 style) needs a 'chief' task in the cluster to "
+                "coordinate; for every worker running its own loop without a chief, use "
+                "ds.compat.v1.ParameterServerStrategy"
+            )
         if cluster_resolver.task_type != "chief":
             raise InvalidArgumentError(
                 f"ParameterServerStrategy is built on the chief, but this process is "
@@ -314,7 +345,7 @@ class ParameterServerStrategy(Strategy):
         self._runtime = runtime
         _runtime.install(runtime)
         try:
-            runtime.transport = _connect(cluster_resolver, self._cluster, "chief", self._timeout)
+            runtime.transport, _ = _connect(cluster_resolver, self._cluster, "chief", self._timeout)
         except BaseException:
             _runtime.install(None)
             raise
@@ -441,39 +472,60 @@ class Server:
             raise InvalidArgumentError(
                 f"task {task_type} {task_id} is not in the cluster {cluster.spec}"
             )
+        if task_type == "worker" and not cluster.has_chief:
+            raise InvalidArgumentError(
+                "in a cluster without a chief (the compat.v1 style) every worker runs the "
+                "training program with ds.compat.v1.ParameterServerStrategy; only ps tasks "
+                "run ds.Server"
+            )
+        self._cluster = cluster
         runtime = _runtime.Runtime(self._name, float(timeout_seconds))
         runtime.strategy = ParameterServerStrategy(
             cluster_resolver, timeout_seconds=timeout_seconds, _task=runtime
         )
+        runtime.expected_workers = set(cluster.workers)
         self._runtime = runtime
         _runtime.install(runtime)
         try:
-            runtime.transport = _connect(cluster_resolver, cluster, self._name, timeout_seconds)
+            runtime.transport, _ = _connect(cluster_resolver, cluster, self._name, timeout_seconds)
         except BaseException:
             _runtime.install(None)
             raise
 
     def join(self) -> None:
-        """Serves until the chief shuts the cluster down, then returns.
+        """Serves until the cluster shuts down (the chief says so; without a chief,
+        every worker has finished), then returns.
 
         Raises:
-            ConnectionError: the chief stopped answering without shutting down.
+            ConnectionError: the chief (without a chief: every unfinished worker)
+                stopped answering without shutting down.
         """
         runtime = self._runtime
         misses = 0
         while not runtime.stopped.wait(self._PING_SECONDS):
-            try:
-                runtime.transport.call("chief", _runtime.worker_ping, (), 5.0).wait()
+            watched = (
+                ["chief"]
+                if self._cluster.has_chief
+                else sorted(runtime.expected_workers - runtime.workers_done)
+            )
+            if any(self._answers(name) for name in watched):
                 misses = 0
-            except Exception:
-                misses += 1
-                if misses >= 3 and not runtime.stopped.is_set():
-                    runtime.transport.shutdown()
-                    _runtime.install(None)
-                    raise ConnectionError(
-                        f"{self._name}: the chief stopped answering without shutting the "
-                        "cluster down (it died?); this task exits"
-                    ) from None
-        time.sleep(0.1)  # lets the chief's stop call return before the endpoint closes
+                continue
+            misses += 1
+            if misses >= 3 and not runtime.stopped.is_set():
+                runtime.transport.shutdown()
+                _runtime.install(None)
+                raise ConnectionError(
+                    f"{self._name}: {', '.join(watched)} stopped answering without shutting "
+                    "the cluster down (died?); this task exits"
+                )
+        time.sleep(0.1)  # lets the last stop call return before the endpoint closes
         runtime.transport.shutdown()
         _runtime.install(None)
+
+    def _answers(self, task: str) -> bool:
+        try:
+            self._runtime.transport.call(task, _runtime.worker_ping, (), 5.0).wait()
+            return True
+        except Exception:
+            return False
