@@ -29,7 +29,6 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
 
 from distribute.cluster_resolver.simple import SimpleClusterResolver
 from distribute.launch import free_ports
