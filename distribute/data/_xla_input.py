@@ -1,10 +1,9 @@
 """Input for `TPUStrategy`'s SPMD mode: global batches, sharded along the data axis.
 
 In SPMD mode `fn` runs once over the global batch, so a step's element is the
-global batch itself (not a `PerReplica`), its tensors placed on the XLA device with
-dim 0 split over the mesh's ``"data"`` axis. A background thread loads and places
-the next batches while the devices run the current step (torch_xla's parallel
-loader does the same), `prefetch` batches ahead.
+global batch itself (not a `PerReplica`), its tensors sent to the XLA device
+already sharded, dim 0 split over the mesh's ``"data"`` axis (one sharded transfer,
+as torch_xla's parallel loader does).
 
 Example::
 
@@ -15,8 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,8 +24,6 @@ from distribute.data.dataset import OptionalValue, _check_not_in_replica_context
 from distribute.data.options import InputContext
 
 __all__ = ["XlaShardedDataset", "XlaShardedIterator", "global_batches"]
-
-_END = object()
 
 
 def global_batches(
@@ -68,82 +63,41 @@ class XlaShardedDataset:
     Args:
         source: makes a fresh iterator of host batches.
         place: moves one batch to the device (and shards it).
-        prefetch: batches placed ahead of the one being used.
     """
 
-    def __init__(
-        self,
-        source: Callable[[], Iterator[Any]],
-        place: Callable[[Any], Any],
-        prefetch: int = 2,
-    ) -> None:
+    def __init__(self, source: Callable[[], Iterator[Any]], place: Callable[[Any], Any]) -> None:
         self._source = source
         self._place = place
-        self._prefetch = max(int(prefetch), 1)
 
     def __iter__(self) -> XlaShardedIterator:
         _check_not_in_replica_context("iter(dataset)")
-        return XlaShardedIterator(self._source(), self._place, self._prefetch)
+        return XlaShardedIterator(self._source(), self._place)
 
 
 class XlaShardedIterator:
-    """Yields placed global batches, loaded and transferred by a background thread.
+    """Yields global batches placed on the device, sharded.
 
-    An error in the source or the transfer is raised by the `next` that would have
-    returned that batch. Abandoning the iterator stops the thread after at most
-    `prefetch` more batches.
+    Batches are placed in the thread that asks for them: a step's graph is cut
+    from every live tensor on the device when `run` ends the step, so a batch half
+    way through its transfer in another thread would end up in it (NOTE [XLA
+    steps]). The transfer still overlaps computation: `run` launches a step
+    without waiting for it, and the next batch is loaded and sent while the
+    devices compute.
     """
 
-    def __init__(self, source: Iterator[Any], place: Callable[[Any], Any], prefetch: int) -> None:
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
-        self._stop = threading.Event()
-        self._done = False
+    def __init__(self, source: Iterator[Any], place: Callable[[Any], Any]) -> None:
+        self._source = source
+        self._place = place
         self._steps = 0
-        self._thread = threading.Thread(
-            target=self._fill, args=(source, place), name="distribute-xla-input", daemon=True
-        )
-        self._thread.start()
-
-    def _fill(self, source: Iterator[Any], place: Callable[[Any], Any]) -> None:
-        try:
-            for batch in source:
-                item = place(batch)
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
-                    return
-            self._put_final(_END)
-        except BaseException as exc:  # delivered to the consumer's next()
-            self._put_final(exc)
-
-    def _put_final(self, item: Any) -> None:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
 
     def __iter__(self) -> XlaShardedIterator:
         return self
 
     def __next__(self) -> Any:
         _check_not_in_replica_context("next(iterator)")
-        if self._done:
-            raise StopIteration
-        item = self._queue.get()
-        if item is _END:
-            self._done = True
-            raise StopIteration
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
+        batch = self._place(next(self._source))
         self._steps += 1
-        return item
+        return batch
 
     @property
     def steps(self) -> int:
@@ -160,6 +114,3 @@ class XlaShardedIterator:
             return OptionalValue(next(self), has_value=True)
         except StopIteration:
             return OptionalValue(None, has_value=False)
-
-    def __del__(self) -> None:
-        self._stop.set()

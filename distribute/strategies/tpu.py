@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -81,6 +80,11 @@ class _SpmdLayout:
         self.replicas = replicas
         self.cores = cores
         self.mesh = self._xs.Mesh(self._ids.reshape(-1), (replicas, cores), ("data", "model"))
+        # One core per replica: batches go in one sharded transfer, on a 1-D mesh (a
+        # transfer's spec must name every axis of its mesh).
+        self._data_mesh = (
+            self._xs.Mesh(self._ids.reshape(-1), (replicas,), ("data",)) if cores == 1 else None
+        )
         self._split_meshes: dict[tuple[int, ...], Any] = {}
         self._lock = threading.Lock()
 
@@ -88,13 +92,22 @@ class _SpmdLayout:
         return ("data",) + (None,) * (tensor.dim() - 1)
 
     def place_batch(self, batch: Any) -> Any:
-        """Every tensor to the device, dim 0 sharded on ``"data"`` (scalars replicated)."""
+        """Every tensor to the device, dim 0 split on ``"data"`` (scalars replicated):
+        one sharded transfer per tensor with one core per replica; with several, a
+        transfer then the annotation (a transfer's spec cannot leave the cores' axis
+        replicated)."""
+        import torch_xla.core.xla_model as xm
 
         def place(leaf: Any) -> Any:
             if not isinstance(leaf, torch.Tensor):
                 return leaf
+            spec = self.data_spec(leaf) if leaf.dim() else ()
+            if self.cores == 1:
+                sharding = self._xs.ShardingSpec(self._data_mesh, spec)
+                (placed,) = xm.send_cpu_data_to_device([leaf], _SPMD_DEVICE, sharding)
+                return placed
             placed = leaf.to(_SPMD_DEVICE)
-            self._xs.mark_sharding(placed, self.mesh, self.data_spec(leaf) if leaf.dim() else ())
+            self._xs.mark_sharding(placed, self.mesh, spec)
             return placed
 
         return values.map_structure(place, batch)
@@ -167,10 +180,6 @@ class TPUStrategy(Strategy):
         self._assignment = assignment
         self._spmd = bool(experimental_spmd_xla_partitioning)
         self._layout: _SpmdLayout | None = None
-        # Variables already annotated, by id (a tensor's == is elementwise).
-        self._annotated: weakref.WeakValueDictionary[int, torch.Tensor] = (
-            weakref.WeakValueDictionary()
-        )
         if self._spmd:
             self._layout = _SpmdLayout(assignment, num_devices)
             self._step_devices = [torch.device(_SPMD_DEVICE)]
@@ -223,25 +232,10 @@ class TPUStrategy(Strategy):
 
             loss = strategy.run(step_fn, args=(next(iterator),))
         """
-        if self._layout is not None:
-            self._annotate_variables(self._layout)
         try:
             return super().run(fn, args, kwargs, options)
         finally:
             xla.mark_step(self._step_devices)
-
-    def _annotate_variables(self, layout: _SpmdLayout) -> None:
-        """Replicates every variable no sharding was given to (once: a variable
-        annotated only at its first step would compile the step twice)."""
-        torch_xla = xla.require_torch_xla()
-        ext = self.extended
-        assert isinstance(ext, ReplicatedExtended)
-        for var in ext._live_variables():
-            if self._annotated.get(id(var)) is var:
-                continue
-            if not torch_xla._XLAC._get_xla_sharding_spec(var):
-                layout.replicate(var)
-            self._annotated[id(var)] = var
 
     # -- input ----------------------------------------------------------------------
 

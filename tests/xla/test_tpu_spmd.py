@@ -146,3 +146,44 @@ def test_replica_mode_is_refused_in_a_process_already_in_spmd_mode(
 def test_fit_matches_fit_under_the_default_strategy(strategy: ds.TPUStrategy) -> None:
     """Shuffled epochs (each its own order) and a partial last batch, as on the CPU."""
     assert_same_history(fit_history(strategy), fit_history(ds.get_strategy()))
+
+
+def test_a_long_loader_loop_compiles_nothing_after_its_first_steps(
+    strategy: ds.TPUStrategy,
+) -> None:
+    """Batches are placed in the stepping thread: placed in another one, a batch half
+    way through its transfer was cut into a step's graph (new compiles, wrong weights)."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(256 * 25, 64, generator=g), torch.randint(0, 10, (256 * 25,), generator=g)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=256)
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)
+    )
+    with strategy.scope():
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)
+        )
+        model.load_state_dict(reference.state_dict())
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.01, momentum=0.9)
+
+    def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        loss = torch.nn.functional.cross_entropy(model(xb), yb)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    counts = []
+    for _ in range(3):
+        for batch in strategy.experimental_distribute_dataset(loader):
+            strategy.run(step, args=batch)
+            counts.append(xla.compile_count())
+    for xb, yb in list(loader) * 3:
+        torch.nn.functional.cross_entropy(reference(xb), yb).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert counts[-1] == counts[2], counts
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.detach().cpu(), want.detach(), atol=1e-4, rtol=0)
