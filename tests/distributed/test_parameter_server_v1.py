@@ -62,7 +62,7 @@ def test_a_cluster_with_a_chief_is_the_tf2_style() -> None:
 def test_the_tf2_strategy_needs_a_chief() -> None:
     spec = {"worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
     resolver = ds.cluster_resolver.SimpleClusterResolver(spec, task_type="worker", task_id=0)
-    with pytest.raises(ValueError, match="needs a 'chief'.*compat.v1"):
+    with pytest.raises(ValueError, match=r"needs a 'chief'.*compat\.v1"):
         ds.ParameterServerStrategy(resolver)
 
 
@@ -72,5 +72,5 @@ def test_a_ps_task_cannot_run_the_compat_v1_program() -> None:
     with pytest.raises(ValueError, match="runs on worker tasks"):
         ds.compat.v1.ParameterServerStrategy(resolver)
     worker = ds.cluster_resolver.SimpleClusterResolver(spec, task_type="worker", task_id=0)
-    with pytest.raises(ValueError, match="only ps tasks run ds.Server"):
+    with pytest.raises(ValueError, match=r"only ps tasks run ds\.Server"):
         ds.Server(worker)
