@@ -73,11 +73,14 @@ class FixedShardsPartitioner(Partitioner):
 
 
 class MinSizePartitioner(Partitioner):
-    """As many shards as keep each at least ``min_shard_bytes``, at most ``max_shards``.
+    """Shards of at least ``min_shard_bytes`` each (whole rows), at most ``max_shards``.
+
+    TensorFlow's rule: a shard takes ``max(1, min_shard_bytes // row_bytes)`` rows,
+    so there are ``ceil(rows / that)`` shards, capped by ``max_shards``.
 
     Example:
         >>> import torch
-        >>> MinSizePartitioner(min_shard_bytes=40, max_shards=8)(torch.Size([10, 4]), torch.float32)
+        >>> MinSizePartitioner(min_shard_bytes=48, max_shards=8)(torch.Size([10, 4]), torch.float32)
         [4, 1]
     """
 
@@ -90,8 +93,11 @@ class MinSizePartitioner(Partitioner):
         self._max = int(max_shards)
 
     def __call__(self, shape: Sequence[int], dtype: torch.dtype) -> list[int]:
-        total = math.prod(shape) * dtype.itemsize
-        return _partition(shape, max(1, min(self._max, total // self._min)))
+        if not shape:
+            return []
+        row_bytes = max(1, math.prod(shape[1:]) * dtype.itemsize)
+        rows_per_shard = max(1, self._min // row_bytes)
+        return _partition(shape, min(self._max, math.ceil(int(shape[0]) / rows_per_shard)))
 
 
 class MaxSizePartitioner(Partitioner):

@@ -12,13 +12,16 @@ collective timeout suited to the steps; the message prints the bound it used):
   (``cluster/<rank>``), and every other rank compares its own with rank 0's while
   it waits: workers started with different cluster specs (two TF_CONFIG worker
   lists) fail at once, naming the difference, instead of in a raw store timeout;
-  a rank counts as joined only once it agrees with rank 0, so rank 0 never goes
-  on with a rank about to report a difference;
+  a rank claims its rank and counts as joined only once it agrees with rank 0, so
+  rank 0 never goes on with a rank about to report a difference, and a task of
+  another cluster is named as such, not as a duplicate of the task holding its rank;
 * each rank claims ``owner/<rank>`` with its process's id: a second process
   claiming the same rank (two tasks with one TF_CONFIG index) is named, while the
   same process joining again after a dropped connection is not; one that claims
   rank 0 while another serves it is named too;
-* a problem found by one rank is posted under ``error`` for all to raise;
+* a problem found while the ranks gather is posted under ``error`` for all to
+  raise; after rank 0 has seen everyone (``complete``), a latecomer's problem is
+  raised by the latecomer alone;
 * ranks that never come are named when the deadline passes.
 
 Keys live under ``<prefix><n>``: the prefix separates a launcher's attempts
@@ -151,19 +154,13 @@ def _join(
     rank 0's store.
     """
     store.set(f"cluster/{rank}", cluster)
-    owner = store.compare_set(f"owner/{rank}", "", _PROCESS_ID).decode()
-    if owner != _PROCESS_ID:
-        _post(
-            store,
-            f"two processes claim rank {rank} of the rendezvous at {where}: each task needs "
-            "its own index (check TF_CONFIG's task index, or RANK), and a restarted task "
-            "must wait until the old one is gone",
-        )
-    # A rank is counted only after it agrees with rank 0's cluster: counted first, it
-    # could complete rank 0's wait just before posting the difference, and rank 0
-    # would go on alone into the process group's set-up.
+    # A rank compares its cluster with rank 0's before it claims its rank or is
+    # counted: a task of another cluster is named as such (not as a duplicate of
+    # whichever task holds its rank there), and a rank about to report a
+    # difference never completes rank 0's wait (rank 0 would go on alone).
     agreed = rank == 0
     if agreed:
+        _claim(store, rank, where)
         _count(store, rank)
     poll = _POLL_SECONDS
     while True:
@@ -172,7 +169,7 @@ def _join(
         if not agreed and store.check(["cluster/0"]):
             theirs = store.get("cluster/0").decode()
             if theirs != cluster:
-                _post(
+                _refuse(
                     store,
                     f"rank {rank} and rank 0 were started with different clusters: rank {rank} "
                     f"has {_short(cluster)} but rank 0 has {_short(theirs)}. Give every task "
@@ -180,8 +177,11 @@ def _join(
                     "MASTER_ADDR:MASTER_PORT)",
                 )
             agreed = True
+            _claim(store, rank, where)
             _count(store, rank)
         if agreed and int(store.add("joined", 0)) >= world_size:
+            if rank == 0:
+                store.set("complete", "1")
             return
         if time.monotonic() > deadline:
             absent = [r for r in range(world_size) if not store.check([f"joined/{r}"])]
@@ -193,6 +193,28 @@ def _join(
             )
         time.sleep(poll)
         poll = min(poll * 1.5, _MAX_POLL_SECONDS)
+
+
+def _claim(store: Store, rank: int, where: str) -> None:
+    """Claims `rank` for this process; another process holding it is named."""
+    owner = store.compare_set(f"owner/{rank}", "", _PROCESS_ID).decode()
+    if owner != _PROCESS_ID:
+        _refuse(
+            store,
+            f"two processes claim rank {rank} of the rendezvous at {where}: each task needs "
+            "its own index (check TF_CONFIG's task index, or RANK), and a restarted task "
+            "must wait until the old one is gone",
+        )
+
+
+def _refuse(store: Store, message: str) -> NoReturn:
+    """Raises `message`; while the rendezvous is still gathering, posts it for every
+    rank too (they were started inconsistently). Once it is complete, a latecomer
+    (a stray task of another job, a duplicate) fails alone: the running job and
+    whoever joins next are not told its error."""
+    if store.check(["complete"]):
+        raise InvalidArgumentError(message)
+    _post(store, message)
 
 
 def _count(store: Store, rank: int) -> None:

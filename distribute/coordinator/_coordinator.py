@@ -317,11 +317,12 @@ class ClusterCoordinator:
         ]
         for worker, future in futures:
             try:
-                future.wait()
-            except RuntimeError as e:
-                if _runtime._is_remote_user_error(e):
-                    raise
+                failure = future.wait()
+            except Exception:
                 self._lose(worker)
+                continue
+            if isinstance(failure, _runtime.ClosureFailure):
+                raise failure.error
         resources = [_Resource(key) for _ in self._workers]
         if source is None:
             return _PerWorkerDataset(self, resources)
@@ -394,9 +395,9 @@ class ClusterCoordinator:
                 )
             )
         except Exception as e:
+            self._fail(e)
             closure.result._set(error=e)
             self._finish(worker, idle=True)
-            self._fail(e)
             return
         blob = None if closure.key in self._sent[worker] else closure.blob
         self._sent[worker].add(closure.key)
@@ -419,9 +420,9 @@ class ClusterCoordinator:
             self._requeue(worker, closure)
             return
         if isinstance(result, _runtime.ClosureFailure):
+            self._fail(result.error)  # first: join() and done() must see it
             closure.result._set(error=result.error)
             self._finish(worker, idle=True)
-            self._fail(result.error)
             return
         closure.result._set(value=result)
         self._finish(worker, idle=True)

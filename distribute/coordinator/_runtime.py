@@ -81,7 +81,8 @@ class Runtime:
 
     def __init__(self, name: str, timeout: float) -> None:
         self.name = name
-        self.transport: Transport = _NotConnected()
+        self._transport: Transport = _NotConnected()
+        self._connected = threading.Event()
         self.timeout = timeout
         self.store = _Store()
         self.functions: dict[str, Any] = {}
@@ -93,6 +94,19 @@ class Runtime:
         self.expected_workers: set[str] = set()
         self.strategy: Any = None  # the strategy closures see on a worker
 
+    @property
+    def transport(self) -> Transport:
+        """The task's transport; a call that arrives while the task is still
+        connecting (its endpoint serves before the connection returns) waits for it."""
+        if not self._connected.is_set():
+            self._connected.wait(self.timeout)
+        return self._transport
+
+    @transport.setter
+    def transport(self, transport: Transport) -> None:
+        self._transport = transport
+        self._connected.set()
+
     # -- talking to ps tasks --------------------------------------------------------
 
     def ps_call(self, task: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -103,9 +117,9 @@ class Runtime:
             if _is_remote_user_error(e):
                 raise
             raise PsUnavailableError(
-                f"parameter server {task} did not answer {self.name} within "
-                f"{self.timeout:.0f} s ({_first_line(e)}); the cluster cannot go on without "
-                "it: restart the cluster and restore from the last checkpoint"
+                f"parameter server {task} did not answer {self.name} ({_first_line(e)}; calls "
+                f"time out after {self.timeout:.0f} s); the cluster cannot go on without it: "
+                "restart the cluster and restore from the last checkpoint"
             ) from None
 
     def refresh(self, ids: Iterable[int], locations: dict[int, str]) -> None:
@@ -123,8 +137,8 @@ class Runtime:
                 values = future.wait()
             except RuntimeError as e:
                 raise PsUnavailableError(
-                    f"parameter server {task} did not answer {self.name} within "
-                    f"{self.timeout:.0f} s ({_first_line(e)}); restart the cluster and "
+                    f"parameter server {task} did not answer {self.name} ({_first_line(e)}; "
+                    f"calls time out after {self.timeout:.0f} s); restart the cluster and "
                     "restore from the last checkpoint"
                 ) from None
             with torch.no_grad():
@@ -290,13 +304,21 @@ def worker_run(key: str, blob: bytes | None, args_blob: bytes) -> Any:
         return ClosureFailure(e, traceback.format_exc())
 
 
-def worker_make_resource(key: str, blob: bytes, source: str | None) -> None:
-    """Builds a per-worker resource: ``fn()`` (a dataset), or ``iter()`` of another."""
+def worker_make_resource(key: str, blob: bytes, source: str | None) -> ClosureFailure | None:
+    """Builds a per-worker resource: ``fn()`` (a dataset), or ``iter()`` of another.
+
+    Returns the user's error as a `ClosureFailure` (never raises it), so that a
+    failed call means a lost worker.
+    """
     runtime = current()
-    if source is None:
-        runtime.resources[key] = runtime.strategy._call_in_worker(cloudpickle.loads(blob))
-    else:
-        runtime.resources[key] = iter(runtime.resources[source])
+    try:
+        if source is None:
+            runtime.resources[key] = runtime.strategy._call_in_worker(cloudpickle.loads(blob))
+        else:
+            runtime.resources[key] = iter(runtime.resources[source])
+    except BaseException as e:
+        return ClosureFailure(e, traceback.format_exc())
+    return None
 
 
 def worker_ping() -> str:
