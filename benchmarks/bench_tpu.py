@@ -41,8 +41,8 @@ Cases (one JSON line each, in this order):
   hand as below).
 * ``pipeline``: one call is one epoch of ``--steps`` steps over a
   ``DataLoader(TensorDataset(x, y), batch_size=256, drop_last=True)``. distribute
-  iterates ``strategy.experimental_distribute_dataset(loader)`` (made once; each
-  epoch starts its background loader thread again); the baseline iterates the loader
+  iterates ``strategy.experimental_distribute_dataset(loader)`` (made once; batches
+  placed in the stepping thread, one sharded transfer each); the baseline iterates the loader
   and per batch calls ``x.to(device)``, ``xs.mark_sharding(x, mesh, ("data",
   None))`` (labels: ``("data",)``) in the loop, in the main thread.
 
