@@ -73,10 +73,10 @@ class FixedShardsPartitioner(Partitioner):
 
 
 class MinSizePartitioner(Partitioner):
-    """Shards of at least ``min_shard_bytes`` each (whole rows), at most ``max_shards``.
+    """About ``total_bytes / min_shard_bytes`` shards (rounded up), at most ``max_shards``.
 
-    TensorFlow's rule: a shard takes ``max(1, min_shard_bytes // row_bytes)`` rows,
-    so there are ``ceil(rows / that)`` shards, capped by ``max_shards``.
+    TensorFlow's rule (`min_max_variable_partitioner`): ``ceil(bytes /
+    min_shard_bytes)`` shards, capped by ``max_shards`` and the rows.
 
     Example:
         >>> import torch
@@ -93,11 +93,8 @@ class MinSizePartitioner(Partitioner):
         self._max = int(max_shards)
 
     def __call__(self, shape: Sequence[int], dtype: torch.dtype) -> list[int]:
-        if not shape:
-            return []
-        row_bytes = max(1, math.prod(shape[1:]) * dtype.itemsize)
-        rows_per_shard = max(1, self._min // row_bytes)
-        return _partition(shape, min(self._max, math.ceil(int(shape[0]) / rows_per_shard)))
+        total = math.prod(shape) * dtype.itemsize
+        return _partition(shape, max(1, min(self._max, math.ceil(total / self._min))))
 
 
 class MaxSizePartitioner(Partitioner):

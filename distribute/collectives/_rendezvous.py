@@ -161,7 +161,7 @@ def _join(
     agreed = rank == 0
     if agreed:
         _claim(store, rank, where)
-        _count(store, rank)
+        _count(store, rank, world_size)
     poll = _POLL_SECONDS
     while True:
         if store.check(["error"]):
@@ -178,10 +178,8 @@ def _join(
                 )
             agreed = True
             _claim(store, rank, where)
-            _count(store, rank)
+            _count(store, rank, world_size)
         if agreed and int(store.add("joined", 0)) >= world_size:
-            if rank == 0:
-                store.set("complete", "1")
             return
         if time.monotonic() > deadline:
             absent = [r for r in range(world_size) if not store.check([f"joined/{r}"])]
@@ -217,12 +215,14 @@ def _refuse(store: Store, message: str) -> NoReturn:
     _post(store, message)
 
 
-def _count(store: Store, rank: int) -> None:
+def _count(store: Store, rank: int, world_size: int) -> None:
     """Counts this rank as joined, once (a rank joining again after a dropped
-    connection is not counted twice)."""
+    connection is not counted twice); the last to join marks the rendezvous
+    complete at once, before any rank goes on."""
     if not store.check([f"joined/{rank}"]):
         store.set(f"joined/{rank}", "1")
-        store.add("joined", 1)
+        if int(store.add("joined", 1)) >= world_size:
+            store.set("complete", "1")
 
 
 def _post(store: Store, message: str) -> NoReturn:

@@ -89,9 +89,10 @@ def spmd() -> Any:
 
 
 def runtime_device_count() -> int:
-    """The XLA devices of this process (4 with ``PJRT_DEVICE=CPU CPU_NUM_DEVICES=4``),
-    also under SPMD, where torch_xla shows one virtual device."""
-    return int(runtime().global_runtime_device_count())
+    """The XLA devices this process addresses (4 with ``PJRT_DEVICE=CPU
+    CPU_NUM_DEVICES=4``), also under SPMD, where torch_xla shows one virtual device.
+    Other hosts' devices are not counted: one process drives its own host's."""
+    return int(runtime().addressable_runtime_device_count())
 
 
 def mark_step(devices: Sequence[torch.device]) -> None:

@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import hashlib
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -212,7 +213,6 @@ class ClusterCoordinator:
         self._error: BaseException | None = None
         self._stopping = False
         self._sent: dict[str, set[str]] = {w: set() for w in self._workers}
-        self._keys: dict[int, tuple[Callable[..., Any], str, bytes]] = {}
         self._idle = list(self._workers)
 
     # -- the public surface ---------------------------------------------------------
@@ -229,6 +229,10 @@ class ClusterCoordinator:
             the first error of an earlier closure (the queue was cancelled).
             InvalidArgumentError: a `RemoteValue` among the arguments (fetch it first).
         """
+        if self._stopping:
+            raise InvalidArgumentError(
+                "schedule() after the strategy was shut down; build a new cluster to go on"
+            )
         self._raise_error()
         args, kwargs = tuple(args or ()), dict(kwargs or {})
         for leaf in nest.flatten((args, kwargs)):
@@ -329,13 +333,19 @@ class ClusterCoordinator:
         return _PerWorkerIterators(resources)
 
     def _function_key(self, fn: Callable[..., Any]) -> tuple[str, bytes]:
-        cached = self._keys.get(id(fn))
-        if cached is not None and cached[0] is fn:
-            return cached[1], cached[2]
-        blob = cloudpickle.dumps(fn)
-        key = uuid.uuid4().hex
-        self._keys[id(fn)] = (fn, key, blob)
-        return key, blob
+        """`fn` pickled now (what it captures is read at each `schedule`: a changed
+        learning rate, a module's train/eval mode), keyed by its bytes, so a worker
+        that has the same bytes is not sent them again."""
+        try:
+            blob = cloudpickle.dumps(fn)
+        except Exception as e:
+            name = getattr(fn, "__qualname__", type(fn).__name__)
+            raise InvalidArgumentError(
+                f"cannot send {name} to the workers: {e}. A scheduled function may capture "
+                "modules, variables, optimizers, the strategy and per-worker iterators (pass "
+                "those as arguments); not the coordinator, locks, open files or threads"
+            ) from e
+        return hashlib.sha1(blob).hexdigest(), blob
 
     def _raise_error(self) -> None:
         with self._cond:
@@ -415,18 +425,55 @@ class ClusterCoordinator:
         """A closure's call ended (in the transport's thread)."""
         try:
             result = future.value()
-        except Exception:
-            # The worker died (or did not answer in time): another one runs the closure.
-            self._requeue(worker, closure)
+        except Exception as e:
+            # Not in the transport's thread: asking the worker whether it is alive
+            # waits for another call, which that thread may be needed to receive.
+            threading.Thread(
+                target=self._call_failed, args=(worker, closure, e), daemon=True
+            ).start()
             return
         if isinstance(result, _runtime.ClosureFailure):
-            self._fail(result.error)  # first: join() and done() must see it
-            closure.result._set(error=result.error)
-            self._finish(worker, idle=True)
+            self._closure_failed(worker, closure, result.error)
             return
-        closure.result._set(value=result)
+        try:
+            value = cloudpickle.loads(result)
+        except Exception as e:
+            self._closure_failed(worker, closure, e)
+            return
+        closure.result._set(value=value)
         self._finish(worker, idle=True)
         self._pump()
+
+    def _call_failed(self, worker: str, closure: _Closure, e: BaseException) -> None:
+        """A closure's call failed: its worker died (the closure runs elsewhere), or
+        it is alive and the call timed out (the closure fails)."""
+        if self._stopping:
+            self._closure_failed(worker, closure, ClosureCancelledError(_SHUT_DOWN))
+            return
+        if not self._answers(worker):
+            self._requeue(worker, closure)
+            return
+        self._closure_failed(
+            worker,
+            closure,
+            RuntimeError(
+                f"{worker} is alive but its closure's call failed ({e}); a closure "
+                f"must finish within the strategy's timeout_seconds "
+                f"({self._runtime.timeout:.0f} s)"
+            ),
+        )
+
+    def _closure_failed(self, worker: str, closure: _Closure, error: BaseException) -> None:
+        self._fail(error)  # first: join() and done() must see it
+        closure.result._set(error=error)
+        self._finish(worker, idle=True)
+
+    def _answers(self, worker: str) -> bool:
+        try:
+            self._runtime.transport.call(worker, _runtime.worker_ping, (), 5.0).wait()
+            return True
+        except Exception:
+            return False
 
     def _requeue(self, worker: str, closure: _Closure) -> None:
         with self._cond:
@@ -444,9 +491,23 @@ class ClusterCoordinator:
             self._cond.notify_all()
 
     def _stop(self) -> None:
+        """The cluster is shutting down: queued closures are cancelled."""
         with self._cond:
             self._stopping = True
+            cancelled = list(self._queue)
+            self._queue.clear()
             self._cond.notify_all()
+        for closure in cancelled:
+            closure.result._set(error=ClosureCancelledError(_SHUT_DOWN))
+
+    def __reduce__(self) -> Any:
+        raise InvalidArgumentError(
+            "a ClusterCoordinator cannot be sent to the workers (a scheduled function "
+            "captured it?); it lives on the chief: schedule from the chief only"
+        )
+
+
+_SHUT_DOWN = "the cluster was shut down before this closure ran"
 
 
 def _is_whole(runtime: _runtime.Runtime, var_id: int) -> bool:

@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import threading
 import traceback
 from collections.abc import Callable, Iterable
@@ -60,6 +61,21 @@ class _Store:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+class _Failed:
+    """The transport of a runtime whose connection failed: every call fails at once."""
+
+    name = "failed"
+
+    def __init__(self, reason: str) -> None:
+        self._reason = reason
+
+    def call(self, task: str, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> Any:
+        raise PsUnavailableError(f"this task never connected to the cluster: {self._reason}")
+
+    def shutdown(self) -> None:
+        pass
+
+
 class _NotConnected:
     """The transport of a runtime that is installed but not yet connected."""
 
@@ -85,7 +101,7 @@ class Runtime:
         self._connected = threading.Event()
         self.timeout = timeout
         self.store = _Store()
-        self.functions: dict[str, Any] = {}
+        self.functions: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self.resources: dict[str, Any] = {}
         self.variables: dict[int, torch.Tensor] = {}  # local copies, by id
         self.locations: dict[int, str] = {}  # the ps task of each variable
@@ -106,6 +122,19 @@ class Runtime:
     def transport(self, transport: Transport) -> None:
         self._transport = transport
         self._connected.set()
+
+    def writes_through(self) -> bool:
+        """Whether an in-place write of a variable's local copy here goes on to its
+        ps: on the chief, and on a compat.v1 worker outside `run`; not inside a
+        closure or a replica (their writes go through `assign*` and the optimizer)."""
+        from distribute import context
+
+        if self.name == "chief":
+            return True
+        strategy = self.strategy
+        return bool(
+            getattr(strategy, "_writes_through", False) and context.get_replica_context() is None
+        )
 
     # -- talking to ps tasks --------------------------------------------------------
 
@@ -183,7 +212,16 @@ def _is_remote_user_error(e: RuntimeError) -> bool:
     text = str(e)
     return not any(
         marker in text
-        for marker in ("eof", "ECONNREFUSED", "ECONNRESET", "connection", "timed out", "Timeout")
+        for marker in (
+            "eof",
+            "ECONNREFUSED",
+            "ECONNRESET",
+            "connection",
+            "timed out",
+            "timeout",
+            "Timeout",
+            "RPC ran for more than",
+        )
     )
 
 
@@ -295,13 +333,39 @@ def worker_run(key: str, blob: bytes | None, args_blob: bytes) -> Any:
             if blob is None:
                 raise InvalidArgumentError(f"worker {runtime.name} was never sent function {key}")
             cached = runtime.functions[key] = _load(blob)
+            while len(runtime.functions) > _FUNCTIONS_KEPT:
+                runtime.functions.popitem(last=False)
+        else:
+            runtime.functions.move_to_end(key)
         fn, fn_vars = cached
         (args, kwargs), arg_vars = _load(args_blob)
-        return runtime.strategy._run_closure(fn, args, kwargs, fn_vars | arg_vars)
+        result = runtime.strategy._run_closure(fn, args, kwargs, fn_vars | arg_vars)
+        try:
+            return cloudpickle.dumps(result)
+        except Exception as e:
+            raise InvalidArgumentError(
+                f"the closure's result ({type(result).__name__}) cannot be sent back to the "
+                f"chief: {e}; return tensors, numbers or other picklable values"
+            ) from e
     except PsUnavailableError as e:
-        return ClosureFailure(e, traceback.format_exc(), ps_failure=True)
+        return _failure(e, ps_failure=True)
     except BaseException as e:
-        return ClosureFailure(e, traceback.format_exc())
+        return _failure(e)
+
+
+#: Step functions a worker keeps, most recently used first.
+_FUNCTIONS_KEPT = 64
+
+
+def _failure(error: BaseException, ps_failure: bool = False) -> ClosureFailure:
+    """A closure's exception made sendable (an unpicklable one becomes a RuntimeError
+    with its text)."""
+    text = traceback.format_exc()
+    try:
+        cloudpickle.dumps(error)
+    except Exception:
+        error = RuntimeError(f"{type(error).__name__}: {error}")
+    return ClosureFailure(error, text, ps_failure)
 
 
 def worker_make_resource(key: str, blob: bytes, source: str | None) -> ClosureFailure | None:
@@ -317,7 +381,7 @@ def worker_make_resource(key: str, blob: bytes, source: str | None) -> ClosureFa
         else:
             runtime.resources[key] = iter(runtime.resources[source])
     except BaseException as e:
-        return ClosureFailure(e, traceback.format_exc())
+        return _failure(e)
     return None
 
 

@@ -93,6 +93,28 @@ class ParameterServerVariable(torch.nn.Parameter):
     def __deepcopy__(self, memo: dict[int, Any]) -> ParameterServerVariable:
         return self  # one variable, wherever it is referred to
 
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """Ops see the local copy; an in-place write outside a closure (the chief's
+        `load_state_dict`, a checkpoint's restore) goes on to the ps as well."""
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **(kwargs or {}))
+        target = args[0] if args else None
+        if (
+            isinstance(target, ParameterServerVariable)
+            and getattr(target, "_ds_published", False)
+            and _writes_in_place(func)
+            and _runtime.current().writes_through()
+        ):
+            target._send_local_value()
+        return result
+
+    def _send_local_value(self) -> None:
+        value = self.detach().as_subclass(torch.Tensor).clone()
+        _runtime.current().ps_call(
+            self._ds_handle.task, _runtime.ps_write, self._ds_handle.var_id, "assign", value
+        )
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # narrower than Tensor.__repr__
         h = self._ds_handle
         return f"ParameterServerVariable(id={h.var_id}, on={h.task}, shape={list(h.shape)})"
@@ -158,6 +180,13 @@ class ParameterServerVariable(torch.nn.Parameter):
         return self._write("assign_sub", value)
 
 
+def _writes_in_place(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    if name.startswith("__"):
+        return name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__")
+    return name.endswith("_")
+
+
 def _rebuild_variable(handle: VarHandle) -> ParameterServerVariable:
     """A variable unpickled in a task: that task's one local copy of it."""
     runtime = _runtime.current()
@@ -165,6 +194,7 @@ def _rebuild_variable(handle: VarHandle) -> ParameterServerVariable:
     local = runtime.variables.get(handle.var_id)
     if local is None:
         local = ParameterServerVariable._make(torch.zeros(handle.shape, dtype=handle.dtype), handle)
+        local._ds_published = True  # type: ignore[attr-defined]  # it lives on its ps
         runtime.variables[handle.var_id] = local
         runtime.locations[handle.var_id] = handle.task
     assert isinstance(local, ParameterServerVariable)
@@ -294,15 +324,24 @@ class ShardedVariable(torch.Tensor):
         kwargs = kwargs or {}
         if func is torch.nn.functional.embedding:
             ids, weight = args[0], args[1]
+            options = dict(
+                zip(("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq"), args[2:])
+            )
+            options.update(kwargs)
+            plain = (
+                options.get("padding_idx") is None
+                and options.get("max_norm") is None
+                and not options.get("scale_grad_by_freq")
+            )
             if (
-                isinstance(weight, ShardedVariable)
+                plain
+                and isinstance(weight, ShardedVariable)
                 and not isinstance(ids, ShardedVariable)
                 and getattr(weight, "_ds_pending", None) is None
             ):
-                if any(kwargs.get(k) is not None for k in ("max_norm",)):
-                    pass  # max_norm renormalizes rows in place: read the whole variable
-                else:
-                    return weight._lookup(ids)
+                return weight._lookup(ids)
+            # padding_idx, max_norm and scale_grad_by_freq shape the gradient (or the
+            # rows, in place): they take the whole variable, read below.
         if func in (torch.Tensor.__repr__, torch.Tensor.__format__):
             return func(*args, **kwargs)
 

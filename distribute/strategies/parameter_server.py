@@ -120,6 +120,33 @@ def _connect(
     return transport, store
 
 
+def start_task(runtime: _runtime.Runtime, connect: Callable[[], tuple[Any, Any]]) -> Any:
+    """Installs `runtime` as this process's task and connects it; returns the store.
+
+    Raises:
+        InvalidArgumentError: this process already is a task of a running cluster.
+    """
+    try:
+        running: _runtime.Runtime | None = _runtime.current()
+    except InvalidArgumentError:
+        running = None
+    if running is not None:
+        raise InvalidArgumentError(
+            f"this process already is task {running.name} of a parameter-server cluster; "
+            "one process is one task: call shutdown() on its strategy (or let its Server "
+            "return) before starting another"
+        )
+    _runtime.install(runtime)
+    try:
+        transport, store = connect()
+    except BaseException as e:
+        runtime.transport = _runtime._Failed(str(e))  # nothing waits for it any more
+        _runtime.install(None)
+        raise
+    runtime.transport = transport
+    return store
+
+
 class _ParameterServerExtended(ReplicatedExtended):
     """Contexts of one replica per task (closures run on one worker each); variables
     created in scope go to ps tasks."""
@@ -138,6 +165,7 @@ class _ParameterServerExtended(ReplicatedExtended):
         self._ids = itertools.count(1)
         # compat.v1: one worker publishes initial values, the others wait for them.
         self._publishes = True
+        self._on_task = False  # the strategy of a worker task's closures
         self._barrier: Any = None
         self._rounds = 0
         self._ps_tasks = list(ps_tasks)
@@ -169,8 +197,10 @@ class _ParameterServerExtended(ReplicatedExtended):
         is_param: bool = False,
         is_buffer: bool = False,
     ) -> Any:
-        if is_buffer:
-            return value  # buffers stay with the module on each task (README)
+        if is_buffer or self._on_task:
+            # Buffers stay with the module on each task (README); inside a closure on
+            # a worker nothing is created on the ps tasks.
+            return value
         if synchronization is VariableSynchronization.NONE:
             raise InvalidArgumentError(
                 "`NONE` variable synchronization is not supported under "
@@ -226,6 +256,8 @@ class _ParameterServerExtended(ReplicatedExtended):
             for var in pending:  # worker 0 sends the initial values; they arrive there
                 if isinstance(var, ShardedVariable):
                     del var._ds_pending  # type: ignore[attr-defined]  # set at creation
+                for shard in var.variables if isinstance(var, ShardedVariable) else [var]:
+                    shard._ds_published = True  # type: ignore[attr-defined]  # on the ps
             self._barrier.wait([f"published/{self._rounds}"])
             return
         runtime = _runtime.current()
@@ -241,6 +273,7 @@ class _ParameterServerExtended(ReplicatedExtended):
             for shard, value in pairs:
                 with torch.no_grad():
                     torch.Tensor.copy_(shard.as_subclass(torch.Tensor), value)
+                shard._ds_published = True  # type: ignore[attr-defined]  # writes go on to the ps
                 futures.append(
                     runtime.transport.call(
                         shard.handle.task,
@@ -324,6 +357,10 @@ class ParameterServerStrategy(Strategy):
         )
         super().__init__(extended)
         if _task is not None:  # the strategy closures see on a worker task
+            # Modules and variables built inside a closure stay local to it: only the
+            # chief creates variables on the ps tasks.
+            extended._captures_modules = False
+            extended._on_task = True
             self._runtime = _task
             return
         if not self._cluster.has_chief:
@@ -340,15 +377,11 @@ class ParameterServerStrategy(Strategy):
             )
         runtime = _runtime.Runtime("chief", self._timeout)
         runtime.strategy = self
+        self._runtime = runtime
+        cluster = self._cluster
+        start_task(runtime, lambda: _connect(cluster_resolver, cluster, "chief", self._timeout))
         # An endpoint left open at exit aborts the interpreter; the tasks must hear.
         atexit.register(_shutdown_at_exit, weakref.ref(self))
-        self._runtime = runtime
-        _runtime.install(runtime)
-        try:
-            runtime.transport, _ = _connect(cluster_resolver, self._cluster, "chief", self._timeout)
-        except BaseException:
-            _runtime.install(None)
-            raise
 
     def __reduce__(self) -> Any:
         return (_task_strategy, ())
@@ -385,6 +418,9 @@ class ParameterServerStrategy(Strategy):
         sharded variable's shards are read when used, rows only for lookups)."""
         runtime = self._runtime
         sharded = _sharded_ids(runtime)
+        for resource in runtime.resources.values():
+            if isinstance(resource, ShardedVariable):
+                resource._ds_reads.clear()  # an earlier closure's lookups without a step
         runtime.refresh(sorted(variables - sharded), runtime.locations)
         with self.scope():
             return fn(*args, **kwargs)
@@ -485,12 +521,8 @@ class Server:
         )
         runtime.expected_workers = set(cluster.workers)
         self._runtime = runtime
-        _runtime.install(runtime)
-        try:
-            runtime.transport, _ = _connect(cluster_resolver, cluster, self._name, timeout_seconds)
-        except BaseException:
-            _runtime.install(None)
-            raise
+        name = self._name
+        start_task(runtime, lambda: _connect(cluster_resolver, cluster, name, timeout_seconds))
 
     def join(self) -> None:
         """Serves until the cluster shuts down (the chief says so; without a chief,

@@ -52,6 +52,7 @@ from distribute.strategies.parameter_server import (
     _connect,
     _ParameterServerExtended,
     _sharded_ids,
+    start_task,
     task_name,
 )
 
@@ -110,6 +111,7 @@ class ParameterServerStrategyV1(Strategy):
         self._cluster = cluster
         self._timeout = float(timeout_seconds)
         self._closed = False
+        self._writes_through = True  # writes outside `run` (a restore) reach the ps
         name = task_name("worker", resolver.task_id)
         extended = _ParameterServerExtended(
             self,
@@ -122,12 +124,7 @@ class ParameterServerStrategyV1(Strategy):
         runtime = _runtime.Runtime(name, self._timeout)
         runtime.strategy = self
         self._runtime = runtime
-        _runtime.install(runtime)
-        try:
-            runtime.transport, store = _connect(resolver, cluster, name, self._timeout)
-        except BaseException:
-            _runtime.install(None)
-            raise
+        store = start_task(runtime, lambda: _connect(resolver, cluster, name, self._timeout))
         extended._publishes = resolver.task_id == 0
         extended._barrier = store
         atexit.register(_shutdown_at_exit, weakref.ref(self))

@@ -64,7 +64,9 @@ class _SpmdLayout:
     "model")``, row r holding replica r's logical cores.
     """
 
-    def __init__(self, assignment: DeviceAssignment, num_devices: int) -> None:
+    @staticmethod
+    def check(assignment: DeviceAssignment, num_devices: int) -> None:
+        """Refuses an assignment that leaves devices out (one program spans all)."""
         replicas, cores = assignment.num_replicas, assignment.num_cores_per_replica
         if replicas * cores != num_devices:
             raise InvalidArgumentError(
@@ -73,6 +75,10 @@ class _SpmdLayout:
                 f"{num_devices} devices; build it with num_replicas={num_devices // cores}, "
                 "or use replica mode (experimental_spmd_xla_partitioning=False)"
             )
+
+    def __init__(self, assignment: DeviceAssignment, num_devices: int) -> None:
+        self.check(assignment, num_devices)
+        replicas, cores = assignment.num_replicas, assignment.num_cores_per_replica
         self._xs = xla.spmd()
         self._ids = np.array(
             [[assignment.tpu_ordinal(r, c) for c in range(cores)] for r in range(replicas)]
@@ -162,10 +168,7 @@ class TPUStrategy(Strategy):
     ) -> None:
         xla.require_torch_xla()
         xr = xla.runtime()
-        if experimental_spmd_xla_partitioning:
-            if not xr.is_spmd():
-                xr.use_spmd()  # before any XLA tensor of this process exists
-        elif xr.is_spmd():
+        if not experimental_spmd_xla_partitioning and xr.is_spmd():
             raise InvalidArgumentError(
                 "this process already runs torch_xla in SPMD mode (an SPMD TPUStrategy was "
                 "built), and replica mode cannot share it; pass "
@@ -181,6 +184,9 @@ class TPUStrategy(Strategy):
         self._spmd = bool(experimental_spmd_xla_partitioning)
         self._layout: _SpmdLayout | None = None
         if self._spmd:
+            _SpmdLayout.check(assignment, num_devices)  # before SPMD mode, which is for good
+            if not xr.is_spmd():
+                xr.use_spmd()  # before any XLA tensor of this process exists
             self._layout = _SpmdLayout(assignment, num_devices)
             self._step_devices = [torch.device(_SPMD_DEVICE)]
             extended = ReplicatedExtended(self, [_SPMD_DEVICE], wrap_single_values=False)
@@ -244,7 +250,7 @@ class TPUStrategy(Strategy):
     ) -> Any:
         """Replica mode: each global batch split per replica onto its device (as in
         `MirroredStrategy`). SPMD mode: each global batch whole, on the device with
-        dim 0 sharded along ``"data"``, loaded ahead by a background thread.
+        dim 0 sharded along ``"data"``, sent in one sharded transfer per tensor.
 
         Example::
 
@@ -257,7 +263,7 @@ class TPUStrategy(Strategy):
         options = options or InputOptions()
         # The one-program dataset keeps what every strategy's does (epochs reshuffled
         # by a sampler's set_epoch, auto-sharding, end of data); its batches stay on
-        # the host and are placed, sharded, by the loading thread.
+        # the host and are placed, sharded, by the thread that takes them.
         on_host = super().experimental_distribute_dataset(
             dataset, dataclasses.replace(options, experimental_fetch_to_device=False)
         )

@@ -519,11 +519,116 @@ def _counter_on(strategy: Any, task: str) -> Any:
     raise AssertionError(f"neither of two new variables was placed on {task}")
 
 
+# -- robustness: what users trip on --------------------------------------------------------
+
+
+def _build_a_module_inside(x: torch.Tensor) -> float:
+    """A closure that builds its own module: it stays local to the worker."""
+    return float(torch.nn.Linear(2, 2)(x).sum().detach())
+
+
+def _sgd_step(model: Any, optimizer: Any) -> None:
+    model(torch.ones(1, 1)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _unpicklable() -> Any:
+    import threading
+
+    return threading.Lock()  # cannot be pickled, even by cloudpickle
+
+
+def _padded_lookup(table: Any, optimizer: Any) -> None:
+    table(torch.tensor([0, 1, 1])).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def case_robustness() -> dict[str, Any]:
+    """2 workers, 1 ps: closures that build modules, writes on the chief, a changed
+    learning rate, an unsendable result, padding rows, a second strategy, shutdown."""
+    with ds.coordinator.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = ds.ParameterServerStrategy(
+            cluster.resolver,
+            variable_partitioner=ds.experimental.partitioners.FixedShardsPartitioner(2),
+            timeout_seconds=30,
+        )
+        coordinator = ds.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            model = torch.nn.Linear(1, 1, bias=False)
+            optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+            table = torch.nn.Embedding(4, 2, padding_idx=0)
+            table_optimizer = torch.optim.SGD(table.parameters(), lr=1.0)
+        out: dict[str, Any] = {}
+
+        def module_inside() -> dict[str, Any]:
+            before = model.weight.read_value().tolist()
+            coordinator.schedule(_build_a_module_inside, args=(torch.ones(1, 2),)).fetch()
+            return {"before": before, "after": model.weight.read_value().tolist()}
+
+        def chief_writes() -> dict[str, Any]:
+            model.load_state_dict({"weight": torch.full((1, 1), 7.0)})
+            return {"ps": model.weight.read_value().tolist()}
+
+        def learning_rate() -> dict[str, Any]:
+            coordinator.schedule(_sgd_step, args=(model, optimizer)).fetch()
+            first = model.weight.read_value().item()
+            optimizer.param_groups[0]["lr"] = 0.0
+            coordinator.schedule(_sgd_step, args=(model, optimizer)).fetch()
+            return {"after_lr_1": first, "after_lr_0": model.weight.read_value().item()}
+
+        def unsendable_result() -> dict[str, Any]:
+            value = coordinator.schedule(_unpicklable)
+            try:
+                value.fetch()
+                failure = None
+            except Exception as e:
+                failure = _error(e)
+            try:
+                coordinator.join()
+            except Exception:
+                pass
+            later = coordinator.schedule(_identity, args=(5,)).fetch()
+            return {"failure": failure, "later": later}
+
+        def padding() -> dict[str, Any]:
+            before = table.weight.read_value().tolist()
+            coordinator.schedule(_padded_lookup, args=(table, table_optimizer)).fetch()
+            return {"before": before, "after": table.weight.read_value().tolist()}
+
+        def second_strategy() -> dict[str, Any]:
+            try:
+                ds.ParameterServerStrategy(cluster.resolver)
+                return {"failure": None}
+            except Exception as e:
+                return {
+                    "failure": _error(e),
+                    "first_still_works": coordinator.schedule(_identity, args=(3,)).fetch(),
+                }
+
+        out["module_inside"] = _attempt(coordinator, module_inside)
+        out["chief_writes"] = _attempt(coordinator, chief_writes)
+        out["learning_rate"] = _attempt(coordinator, learning_rate)
+        out["unsendable_result"] = _attempt(coordinator, unsendable_result)
+        out["padding"] = _attempt(coordinator, padding)
+        out["second_strategy"] = _attempt(coordinator, second_strategy)
+        strategy.shutdown()
+        try:
+            coordinator.schedule(_identity, args=(1,))
+            out["after_shutdown"] = {"failure": None}
+        except Exception as e:
+            out["after_shutdown"] = {"failure": _error(e)}
+        out["exit_codes"] = cluster.wait(30.0)
+    return out
+
+
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "one_ps": case_one_ps,
     "two_ps_sharded": case_two_ps_sharded,
     "worker_failure": case_worker_failure,
     "ps_failure": case_ps_failure,
+    "robustness": case_robustness,
 }
 
 

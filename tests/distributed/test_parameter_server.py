@@ -375,3 +375,59 @@ def test_strategy_built_on_a_worker_task_raises_value_error() -> None:
     resolver = SimpleClusterResolver(_SPEC, task_type="worker", task_id=0)
     with pytest.raises(ValueError, match="built on the chief"):
         ds.ParameterServerStrategy(resolver)
+
+
+# -- what users trip on ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def robustness() -> dict[str, Any]:
+    return _run_chief("robustness")
+
+
+def test_a_module_built_inside_a_closure_stays_local_to_the_worker(
+    robustness: dict[str, Any],
+) -> None:
+    check = _check(robustness, "module_inside")
+    assert check["after"] == check["before"]  # the chief's variable is untouched
+
+
+def test_an_in_place_write_on_the_chief_reaches_the_ps(robustness: dict[str, Any]) -> None:
+    assert _check(robustness, "chief_writes")["ps"] == [[7.0]]
+
+
+def test_a_learning_rate_changed_after_the_first_schedule_is_used(
+    robustness: dict[str, Any],
+) -> None:
+    check = _check(robustness, "learning_rate")
+    assert check["after_lr_1"] == 6.0  # 7 - 1.0 * d(w * 1)/dw
+    assert check["after_lr_0"] == 6.0  # lr 0: unchanged (the function is sent anew)
+
+
+def test_an_unsendable_result_fails_its_closure_and_keeps_the_workers(
+    robustness: dict[str, Any],
+) -> None:
+    check = _check(robustness, "unsendable_result")
+    assert check["failure"] is not None and "cannot be sent back" in check["failure"]["message"]
+    assert check["later"] == 5
+
+
+def test_a_sharded_lookup_leaves_the_padding_row_alone(robustness: dict[str, Any]) -> None:
+    check = _check(robustness, "padding")
+    assert check["after"][0] == check["before"][0]  # padding_idx=0: no gradient
+    assert check["after"][1] != check["before"][1]
+
+
+def test_a_second_strategy_in_one_process_is_refused_and_the_first_goes_on(
+    robustness: dict[str, Any],
+) -> None:
+    check = _check(robustness, "second_strategy")
+    assert "already is task chief" in check["failure"]["message"]
+    assert check["first_still_works"] == 3
+
+
+def test_schedule_after_shutdown_raises_and_every_task_exits_0(
+    robustness: dict[str, Any],
+) -> None:
+    assert "shut down" in robustness["after_shutdown"]["failure"]["message"]
+    assert robustness["exit_codes"] == {"ps_0": 0, "worker_0": 0, "worker_1": 0}

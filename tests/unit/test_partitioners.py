@@ -6,9 +6,9 @@ TensorFlow's rules (`tf.distribute.experimental.partitioners`):
   more (13 over 5: 3, 3, 3, 2, 2);
 * never more shards than rows, and a scalar is never split;
 * `FixedShardsPartitioner(k)`: ``min(k, rows)`` shards;
-* `MinSizePartitioner(min_shard_bytes, max_shards)`: TensorFlow's rule: a shard
-  takes ``max(1, min_shard_bytes // row_bytes)`` whole rows, so ``ceil(rows / that)``
-  shards, capped by ``max_shards``;
+* `MinSizePartitioner(min_shard_bytes, max_shards)`: TensorFlow's rule
+  (`min_max_variable_partitioner`): ``ceil(total_bytes / min_shard_bytes)`` shards,
+  capped by ``max_shards`` and the rows;
 * `MaxSizePartitioner(max_shard_bytes, max_shards)`: the fewest shards that keep each
   (whole rows) at most ``max_shard_bytes``, capped by ``max_shards``; a row larger than
   the bound gets a shard of its own.
@@ -110,8 +110,8 @@ def test_min_size_examples_of_tensorflow() -> None:
 def test_min_size_makes_as_many_shards_as_keep_each_at_least_the_minimum() -> None:
     # 12 x 4 float32 = 192 bytes: 3 shards of 64 bytes, not 4 of 48.
     assert MinSizePartitioner(min_shard_bytes=64, max_shards=8)((12, 4), F32) == [3, 1]
-    # 10 x 4 float32, 16-byte rows: a shard takes 50 // 16 = 3 rows, so 4 shards
-    # (3, 3, 2, 2 rows), as TensorFlow's min_max_variable_partitioner counts.
+    # 10 x 4 float32 = 160 bytes: ceil(160 / 50) = 4 shards, as TensorFlow's
+    # min_max_variable_partitioner counts.
     assert MinSizePartitioner(min_shard_bytes=50, max_shards=8)((10, 4), F32) == [4, 1]
 
 
@@ -142,15 +142,15 @@ def test_min_size_counts_the_bytes_of_the_dtype() -> None:
     min_bytes=st.integers(1, 4096),
     max_shards=st.integers(1, 64),
 )
-def test_min_size_takes_the_fewest_blocks_of_minimum_size_rows_that_cover_the_variable(
+def test_min_size_makes_total_over_minimum_shards_rounded_up(
     rows: int, cols: int, min_bytes: int, max_shards: int
 ) -> None:
-    per_shard = max(1, min_bytes // (cols * 4))  # whole rows of at least min_bytes
+    total = rows * cols * 4
     (shards, rest) = MinSizePartitioner(min_bytes, max_shards)((rows, cols), F32)
     assert rest == 1
     assert 1 <= shards <= min(rows, max_shards)
-    if shards < max_shards:
-        assert per_shard * (shards - 1) < rows <= per_shard * shards
+    if shards < min(rows, max_shards):  # not capped: the fewest minimum-size slices
+        assert (shards - 1) * min_bytes < total <= shards * min_bytes
 
 
 # -- MaxSizePartitioner -----------------------------------------------------------------------
