@@ -140,6 +140,9 @@ class _SpmdLayout:
 class TPUStrategy(Strategy):
     """Synchronous data parallelism on XLA devices (TPUs, or torch_xla's CPU backend).
 
+    `ds.Model.fit` and `evaluate` on arrays pad the last, partial batch to the full
+    batch size with weight-0 rows, so it reuses the compiled step.
+
     Args:
         tpu_cluster_resolver: a `TPUClusterResolver` (None: this host's devices).
         experimental_device_assignment: which devices each replica's logical cores
@@ -159,6 +162,9 @@ class TPUStrategy(Strategy):
         strategy.run(lambda: ds.get_replica_context().replica_id_in_sync_group)
         # PerReplica(0, 1, 2, 3)
     """
+
+    #: ds.Model pads partial batches to the full size (weight 0) under this strategy.
+    _static_batch_shapes = True
 
     def __init__(
         self,

@@ -25,6 +25,7 @@ from torch.utils.data import (
     IterableDataset,
     RandomSampler,
     TensorDataset,
+    default_collate,
 )
 from torch.utils.data.distributed import DistributedSampler
 
@@ -147,7 +148,16 @@ def adapt(
             # the workers: every strategy and world size shuffles alike.
             seed = _agreed_seed(strategy, int(torch.randint(2**62, ()).item()))
             sampler = _SeededRandomSampler(RandomSampler(dataset), seed)
-        loader = DataLoader(dataset, batch_size=batch_size or 32, sampler=sampler)
+        size = batch_size or 32
+        # Static shapes (XLA): the last, partial batch is padded to the full size with
+        # weight-0 rows, so it runs the step already compiled (Keras on TPUs does too).
+        pad = y is not None and getattr(strategy, "_static_batch_shapes", False)
+        loader = DataLoader(
+            dataset,
+            batch_size=size,
+            sampler=sampler,
+            collate_fn=_PadToFull(size, weighted=sample_weight is not None) if pad else None,
+        )
     elif isinstance(x, dict) or isinstance(y, dict):
         raise InvalidArgumentError(
             "dicts of arrays are not taken as x or y; pass a DataLoader (or a Dataset) "
@@ -200,3 +210,25 @@ def local_batch_size(strategy: Any, batch: Any) -> int:
         if all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in local):
             return sum(int(t.shape[0]) for t in local)
     raise InvalidArgumentError("cannot tell the batch size: the batch's x has no tensor")
+
+
+class _PadToFull:
+    """Collates a batch of (x, y[, sample_weight]) and pads a partial one to
+    ``size`` rows: zeros, with sample weight 0 (every batch gets a sample weight,
+    1 for real rows, so every step has the same structure and shapes)."""
+
+    def __init__(self, size: int, *, weighted: bool) -> None:
+        self._size = size
+        self._weighted = weighted
+
+    def __call__(self, samples: list[Any]) -> tuple[torch.Tensor, ...]:
+        parts = list(default_collate(samples))
+        n = len(samples)
+        if not self._weighted:
+            parts.append(torch.ones(n))
+        missing = self._size - n
+        if missing <= 0:
+            return tuple(parts)
+        return tuple(
+            torch.cat([part, part.new_zeros((missing, *part.shape[1:]))]) for part in parts
+        )

@@ -83,8 +83,27 @@ def assert_close_to_reference(
         torch.testing.assert_close(weights[name], value, atol=1e-5, rtol=0, msg=name)
 
 
-def fit_history(strategy: ds.Strategy) -> dict[str, list[float]]:
-    """`ds.Model.fit` for 3 shuffled epochs with a partial last batch (300 = 9 x 32 + 12)."""
+class _CompileCounts(ds.callbacks.Callback):
+    """Graphs compiled so far, after each step of the first epoch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: list[int] = []
+        self.epoch = 0
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        from distribute.collectives import xla
+
+        if self.epoch == 0:
+            self.counts.append(xla.compile_count())
+
+
+def fit_history(strategy: ds.Strategy, compiles: list[int] | None = None) -> dict[str, list[float]]:
+    """`ds.Model.fit` for 3 shuffled epochs with a partial last batch (300 = 9 x 32 + 12);
+    `compiles` gets the compile count after each step of the first epoch (XLA)."""
     x, y = data(300)
     reference = mlp()
     with strategy.scope():
@@ -93,7 +112,13 @@ def fit_history(strategy: ds.Strategy) -> dict[str, list[float]]:
         model = ds.Model(net)
     model.compile(optimizer="sgd", loss=torch.nn.CrossEntropyLoss(), metrics=["accuracy"])
     torch.manual_seed(1)  # the shuffling seed
-    history = model.fit(x.numpy(), y.numpy(), batch_size=32, epochs=3, verbose=0)
+    counter = _CompileCounts()
+    callbacks = [counter] if compiles is not None else []
+    history = model.fit(
+        x.numpy(), y.numpy(), batch_size=32, epochs=3, verbose=0, callbacks=callbacks
+    )
+    if compiles is not None:
+        compiles.extend(counter.counts)
     return dict(history.history)
 
 
