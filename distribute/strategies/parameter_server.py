@@ -381,7 +381,7 @@ class ParameterServerStrategy(Strategy):
         cluster = self._cluster
         start_task(runtime, lambda: _connect(cluster_resolver, cluster, "chief", self._timeout))
         # An endpoint left open at exit aborts the interpreter; the tasks must hear.
-        atexit.register(_shutdown_at_exit, weakref.ref(self))
+        atexit.register(shutdown_at_exit, weakref.ref(self))
 
     def __reduce__(self) -> Any:
         return (_task_strategy, ())
@@ -436,15 +436,7 @@ class ParameterServerStrategy(Strategy):
         if self._coordinator is not None:
             self._coordinator._stop()
         runtime = self._runtime
-        futures = []
-        for name in [*self._cluster.workers, *self._cluster.ps]:
-            with contextlib.suppress(Exception):
-                futures.append(runtime.transport.call(name, _runtime.stop_task, (), 5.0))
-        for future in futures:
-            with contextlib.suppress(Exception):
-                future.wait()
-        runtime.transport.shutdown()
-        _runtime.install(None)
+        leave_cluster(runtime, [*self._cluster.workers, *self._cluster.ps], _runtime.stop_task)
 
     def __repr__(self) -> str:
         return (
@@ -453,7 +445,24 @@ class ParameterServerStrategy(Strategy):
         )
 
 
-def _shutdown_at_exit(ref: weakref.ref[ParameterServerStrategy]) -> None:
+def leave_cluster(
+    runtime: _runtime.Runtime, tasks: Sequence[str], tell: Callable[..., None], *args: Any
+) -> None:
+    """Tells `tasks` (``tell(*args)`` on each, 5 s at most, a dead one skipped), then
+    closes this task's endpoint."""
+    futures = []
+    for name in tasks:
+        with contextlib.suppress(Exception):
+            futures.append(runtime.transport.call(name, tell, args, 5.0))
+    for future in futures:
+        with contextlib.suppress(Exception):
+            future.wait()
+    runtime.transport.shutdown()
+    _runtime.install(None)
+
+
+def shutdown_at_exit(ref: weakref.ref[Any]) -> None:
+    """`atexit`: shuts down a strategy still alive (an open endpoint aborts the exit)."""
     strategy = ref()
     if strategy is not None:
         strategy.shutdown()

@@ -33,7 +33,6 @@ Example::
 from __future__ import annotations
 
 import atexit
-import contextlib
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -52,6 +51,8 @@ from distribute.strategies.parameter_server import (
     _connect,
     _ParameterServerExtended,
     _sharded_ids,
+    leave_cluster,
+    shutdown_at_exit,
     start_task,
     task_name,
 )
@@ -127,7 +128,7 @@ class ParameterServerStrategyV1(Strategy):
         store = start_task(runtime, lambda: _connect(resolver, cluster, name, self._timeout))
         extended._publishes = resolver.task_id == 0
         extended._barrier = store
-        atexit.register(_shutdown_at_exit, weakref.ref(self))
+        atexit.register(shutdown_at_exit, weakref.ref(self))
 
     def __reduce__(self) -> Any:
         raise InvalidArgumentError(
@@ -167,27 +168,10 @@ class ParameterServerStrategyV1(Strategy):
         if self._closed:
             return
         self._closed = True
-        runtime = self._runtime
-        futures = []
-        for ps in self._cluster.ps:
-            with contextlib.suppress(Exception):
-                futures.append(
-                    runtime.transport.call(ps, _runtime.ps_worker_done, (runtime.name,), 5.0)
-                )
-        for future in futures:
-            with contextlib.suppress(Exception):
-                future.wait()
-        runtime.transport.shutdown()
-        _runtime.install(None)
+        leave_cluster(self._runtime, self._cluster.ps, _runtime.ps_worker_done, self._runtime.name)
 
     def __repr__(self) -> str:
         return (
             f"compat.v1.ParameterServerStrategy({self._runtime.name}, "
             f"replicas={self.num_replicas_in_sync}, ps={len(self._cluster.ps)})"
         )
-
-
-def _shutdown_at_exit(ref: weakref.ref[ParameterServerStrategyV1]) -> None:
-    strategy = ref()
-    if strategy is not None:
-        strategy.shutdown()
