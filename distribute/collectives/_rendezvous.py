@@ -103,6 +103,7 @@ def rendezvous(
             joined, within the bound (the message says which and why).
         InvalidArgumentError: ranks were started with different clusters, or two
             processes claim one rank.
+        RendezvousError: the store went away (rank 0 died) while this rank joined.
 
     Example::
 
@@ -187,7 +188,8 @@ def _join(
                 f"rendezvous at {where} timed out after {time.monotonic() - start:.1f} s (the "
                 f"bound: {bound:.0f} s): ranks {absent} of {world_size} never joined. Start "
                 "every worker with the same cluster (WORLD_SIZE, or TF_CONFIG's worker list), "
-                "or raise CommunicationOptions.timeout_seconds if they start slowly"
+                "or raise the timeout if they start slowly (CommunicationOptions."
+                "timeout_seconds; a parameter-server strategy's timeout_seconds)"
             )
         time.sleep(poll)
         poll = min(poll * 1.5, _MAX_POLL_SECONDS)

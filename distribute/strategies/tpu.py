@@ -342,6 +342,10 @@ class TPUStrategy(Strategy):
         the replica's logical devices (SPMD: a sharding annotation; replica mode,
         where a replica runs on its first core, the tensor is returned as is).
 
+        Under SPMD the tensor is the same on every replica afterwards (dims of 1
+        are whole on each core): right for weights; an activation sharded by batch
+        is gathered first, so split those along the batch's dim only with care.
+
         Raises:
             InvalidArgumentError: `partition_dimensions` does not have one entry per
                 dim, an entry does not divide its dim, or their product is not the
