@@ -119,8 +119,10 @@ def _block_forever(pid_dir: str) -> None:
 def test_the_timeout_kills_every_worker_and_names_the_ranks_still_running(
     tmp_path: Path,
 ) -> None:
-    with pytest.raises(WorkerError, match=r"timed out after 3.0 s; ranks \[0, 1\] were still"):
-        launch.run(_block_forever, 2, args=(str(tmp_path),), timeout=3.0, env=ENV)
+    # Long enough for both workers to import torch and write their pids on a busy
+    # 2-core machine (3 s was not, under a full suite).
+    with pytest.raises(WorkerError, match=r"timed out after 15.0 s; ranks \[0, 1\] were still"):
+        launch.run(_block_forever, 2, args=(str(tmp_path),), timeout=15.0, env=ENV)
     pids = [int(p.read_text()) for p in sorted(tmp_path.glob("*.pid"))]
     assert len(pids) == 2 and not any(_is_running(p) for p in pids)
 
