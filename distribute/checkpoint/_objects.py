@@ -168,6 +168,7 @@ def _write_tensor(name: str, target: torch.Tensor, value: Any) -> None:
         )
     primary = target._plain_component(0) if isinstance(target, DistributedVariable) else target
     if value.data_ptr() == primary.data_ptr() and value.numel():
+        _written_through(target)
         return  # read straight into it (`direct_targets`)
     if isinstance(target, DistributedVariable):
         if (
@@ -180,6 +181,14 @@ def _write_tensor(name: str, target: torch.Tensor, value: Any) -> None:
         return
     with torch.no_grad():
         target.copy_(value)
+
+
+def _written_through(target: torch.Tensor) -> None:
+    """A parameter-server variable read straight into its local copy: its ps gets
+    the value too (a write through `copy_` goes there by itself)."""
+    send = getattr(target, "_send_local_value", None)
+    if send is not None and getattr(target, "_ds_published", False):
+        send()
 
 
 def _write_sum(target: DistributedVariable, value: torch.Tensor) -> None:

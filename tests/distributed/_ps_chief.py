@@ -607,7 +607,17 @@ def case_robustness() -> dict[str, Any]:
                     "first_still_works": coordinator.schedule(_identity, args=(3,)).fetch(),
                 }
 
+        def checkpoint() -> dict[str, Any]:
+            import tempfile
+
+            saved = model.weight.read_value().tolist()
+            path = ds.Checkpoint(model=model).save(tempfile.mkdtemp() + "/ckpt")
+            model.weight.assign(torch.full((1, 1), -3.0))
+            ds.Checkpoint(model=model).restore(path)
+            return {"saved": saved, "ps_after_restore": model.weight.read_value().tolist()}
+
         out["module_inside"] = _attempt(coordinator, module_inside)
+        out["checkpoint"] = _attempt(coordinator, checkpoint)
         out["chief_writes"] = _attempt(coordinator, chief_writes)
         out["learning_rate"] = _attempt(coordinator, learning_rate)
         out["unsendable_result"] = _attempt(coordinator, unsendable_result)

@@ -431,3 +431,8 @@ def test_schedule_after_shutdown_raises_and_every_task_exits_0(
 ) -> None:
     assert "shut down" in robustness["after_shutdown"]["failure"]["message"]
     assert robustness["exit_codes"] == {"ps_0": 0, "worker_0": 0, "worker_1": 0}
+
+
+def test_a_checkpoint_restored_on_the_chief_reaches_the_ps(robustness: dict[str, Any]) -> None:
+    check = _check(robustness, "checkpoint")
+    assert check["ps_after_restore"] == check["saved"]
