@@ -73,7 +73,15 @@ def is_per_worker(obj: Any) -> bool:
 def _logical(value: torch.Tensor) -> torch.Tensor:
     if isinstance(value, DistributedVariable):
         return value._cross_replica_value().detach()
+    if _is_sharded(value):
+        return value.read_value()  # type: ignore[attr-defined, no-any-return]  # a ShardedVariable: every shard, from its ps
     return value.detach()
+
+
+def _is_sharded(value: Any) -> bool:
+    from distribute.coordinator._variables import ShardedVariable
+
+    return isinstance(value, ShardedVariable)
 
 
 def capture_state(name: str, obj: Any) -> Any:
@@ -129,6 +137,8 @@ def direct_targets(
         template = wanted.get(entry["__tensor__"])
         if template is None or template.shape != target.shape or template.dtype != target.dtype:
             continue  # left to apply_state, which names the mismatch
+        if _is_sharded(target):
+            continue  # its shards live on the ps tasks: written by assign
         if isinstance(target, DistributedVariable):
             if target._ds_synchronization is VariableSynchronization.ON_READ:
                 continue
@@ -166,6 +176,9 @@ def _write_tensor(name: str, target: torch.Tensor, value: Any) -> None:
             f"the checkpoint's {name!r} has shape {found} but the object here has "
             f"{tuple(target.shape)}; build the same model before restoring"
         )
+    if _is_sharded(target):
+        target.assign(value)  # type: ignore[attr-defined]  # a ShardedVariable: shard by shard, on the ps
+        return
     primary = target._plain_component(0) if isinstance(target, DistributedVariable) else target
     if value.data_ptr() == primary.data_ptr() and value.numel():
         _written_through(target)

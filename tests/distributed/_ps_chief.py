@@ -611,10 +611,17 @@ def case_robustness() -> dict[str, Any]:
             import tempfile
 
             saved = model.weight.read_value().tolist()
-            path = ds.Checkpoint(model=model).save(tempfile.mkdtemp() + "/ckpt")
+            saved_table = table.weight.read_value().tolist()  # a ShardedVariable
+            path = ds.Checkpoint(model=model, table=table).save(tempfile.mkdtemp() + "/ckpt")
             model.weight.assign(torch.full((1, 1), -3.0))
-            ds.Checkpoint(model=model).restore(path)
-            return {"saved": saved, "ps_after_restore": model.weight.read_value().tolist()}
+            table.weight.assign(torch.zeros(4, 2))
+            ds.Checkpoint(model=model, table=table).restore(path)
+            return {
+                "saved": saved,
+                "ps_after_restore": model.weight.read_value().tolist(),
+                "saved_table": saved_table,
+                "table_after_restore": table.weight.read_value().tolist(),
+            }
 
         out["module_inside"] = _attempt(coordinator, module_inside)
         out["checkpoint"] = _attempt(coordinator, checkpoint)

@@ -436,3 +436,4 @@ def test_schedule_after_shutdown_raises_and_every_task_exits_0(
 def test_a_checkpoint_restored_on_the_chief_reaches_the_ps(robustness: dict[str, Any]) -> None:
     check = _check(robustness, "checkpoint")
     assert check["ps_after_restore"] == check["saved"]
+    assert check["table_after_restore"] == check["saved_table"]  # every shard, on its ps
