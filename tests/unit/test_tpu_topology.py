@@ -75,7 +75,7 @@ def test_the_tpu_resolver_is_one_local_worker_and_refuses_remote_tpus() -> None:
     assert (resolver.task_type, resolver.task_id, resolver.master()) == ("worker", 0, "")
     assert ds.cluster_resolver.TPUClusterResolver("local").master() == ""
     with pytest.raises(ValueError, match="names a remote TPU"):
-        ds.cluster_resolver.TPUClusterResolver("grpc://10.0.0.2:8470")
+        ds.cluster_resolver.TPUClusterResolver("grpc://127.0.0.1:8470")
 
 
 @pytest.mark.skipif(
