@@ -29,9 +29,11 @@ Example::
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import threading
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -214,6 +216,7 @@ class ClusterCoordinator:
         self._stopping = False
         self._sent: dict[str, set[str]] = {w: set() for w in self._workers}
         self._idle = list(self._workers)
+        self._forgotten: list[str] = []  # per-worker objects to free (list ops are atomic)
 
     # -- the public surface ---------------------------------------------------------
 
@@ -242,6 +245,7 @@ class ClusterCoordinator:
                     "(coordinator.fetch(value)) instead"
                 )
         self._strategy._publish()
+        self._free_forgotten()
         key, blob = self._function_key(fn)
         result = RemoteValue()
         with self._cond:
@@ -328,9 +332,28 @@ class ClusterCoordinator:
             if isinstance(failure, _runtime.ClosureFailure):
                 raise failure.error
         resources = [_Resource(key) for _ in self._workers]
-        if source is None:
-            return _PerWorkerDataset(self, resources)
-        return _PerWorkerIterators(resources)
+        made: PerWorkerValues = (
+            _PerWorkerDataset(self, resources) if source is None else _PerWorkerIterators(resources)
+        )
+        # Gone from the chief (nothing can refer to it any more: a queued closure
+        # holds its arguments), it is freed on the workers at the next schedule.
+        weakref.finalize(made, self._forgotten.append, key)
+        return made
+
+    def _free_forgotten(self) -> None:
+        """Frees, on every worker, the per-worker objects the chief no longer holds
+        (an epoch's iterator, a DataLoader's worker processes with it)."""
+        if not self._forgotten:
+            return
+        keys = []
+        while self._forgotten:
+            keys.append(self._forgotten.pop())
+        runtime = self._runtime
+        for worker in list(self._alive):
+            with contextlib.suppress(Exception):  # a dead worker frees nothing
+                runtime.transport.call(
+                    worker, _runtime.worker_free_resources, (keys,), runtime.timeout
+                )
 
     def _function_key(self, fn: Callable[..., Any]) -> tuple[str, bytes]:
         """`fn` pickled now (what it captures is read at each `schedule`: a changed

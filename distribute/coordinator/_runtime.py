@@ -385,6 +385,13 @@ def worker_make_resource(key: str, blob: bytes, source: str | None) -> ClosureFa
     return None
 
 
+def worker_free_resources(keys: list[str]) -> None:
+    """Forgets per-worker objects the chief no longer holds."""
+    resources = current().resources
+    for key in keys:
+        resources.pop(key, None)
+
+
 def worker_ping() -> str:
     return current().name
 

@@ -545,6 +545,15 @@ def _padded_lookup(table: Any, optimizer: Any) -> None:
     optimizer.zero_grad()
 
 
+def _resource_count() -> int:
+    """Per-worker objects (datasets, iterators) this worker holds."""
+    from distribute.coordinator import _runtime
+    from distribute.coordinator._variables import ShardedVariable
+
+    resources = _runtime.current().resources.values()
+    return sum(not isinstance(r, ShardedVariable) for r in resources)
+
+
 def case_robustness() -> dict[str, Any]:
     """2 workers, 1 ps: closures that build modules, writes on the chief, a changed
     learning rate, an unsendable result, padding rows, a second strategy, shutdown."""
@@ -623,7 +632,20 @@ def case_robustness() -> dict[str, Any]:
                 "table_after_restore": table.weight.read_value().tolist(),
             }
 
+        def iterators_freed() -> dict[str, Any]:
+            import gc
+
+            dataset = coordinator.create_per_worker_dataset(_repeating_batches)
+            for _ in range(5):  # an epoch's iterator each time, the last one dropped
+                iterator = iter(dataset)
+                coordinator.schedule(_next_batch, args=(iterator,)).fetch()
+                del iterator
+                gc.collect()
+            coordinator.join()
+            return {"counts": [coordinator.schedule(_resource_count).fetch() for _ in range(4)]}
+
         out["module_inside"] = _attempt(coordinator, module_inside)
+        out["iterators_freed"] = _attempt(coordinator, iterators_freed)
         out["checkpoint"] = _attempt(coordinator, checkpoint)
         out["chief_writes"] = _attempt(coordinator, chief_writes)
         out["learning_rate"] = _attempt(coordinator, learning_rate)

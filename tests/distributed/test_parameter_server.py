@@ -437,3 +437,10 @@ def test_a_checkpoint_restored_on_the_chief_reaches_the_ps(robustness: dict[str,
     check = _check(robustness, "checkpoint")
     assert check["ps_after_restore"] == check["saved"]
     assert check["table_after_restore"] == check["saved_table"]  # every shard, on its ps
+
+
+def test_per_worker_iterators_the_chief_dropped_are_freed_on_the_workers(
+    robustness: dict[str, Any],
+) -> None:
+    # the dataset, and at most the last iterator while its free is on its way (5 made)
+    assert all(count <= 2 for count in _check(robustness, "iterators_freed")["counts"])
