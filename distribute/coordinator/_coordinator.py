@@ -264,10 +264,7 @@ class ClusterCoordinator:
             while (self._queue or self._inflight) and self._error is None:
                 self._cond.wait(0.5)
         self._raise_error()
-        runtime = self._runtime
-        runtime.refresh(
-            [i for i, v in runtime.variables.items() if _is_whole(runtime, i)], runtime.locations
-        )
+        self._runtime.refresh_whole()
 
     def done(self) -> bool:
         """Whether every scheduled closure has run (raises a closure's error)."""
@@ -531,9 +528,3 @@ class ClusterCoordinator:
 
 
 _SHUT_DOWN = "the cluster was shut down before this closure ran"
-
-
-def _is_whole(runtime: _runtime.Runtime, var_id: int) -> bool:
-    from distribute.strategies.parameter_server import _sharded_ids
-
-    return var_id not in _sharded_ids(runtime)

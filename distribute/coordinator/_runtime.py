@@ -105,6 +105,10 @@ class Runtime:
         self.resources: dict[str, Any] = {}
         self.variables: dict[int, torch.Tensor] = {}  # local copies, by id
         self.locations: dict[int, str] = {}  # the ps task of each variable
+        # Sharded variables known here, by their shards' ids: their shards are read
+        # when used (rows only for a lookup), never by a refresh.
+        self.sharded: dict[tuple[int, ...], Any] = {}
+        self.shard_ids: set[int] = set()
         self.stopped = threading.Event()
         self.workers_done: set[str] = set()  # compat.v1: workers that finished
         self.expected_workers: set[str] = set()
@@ -145,18 +149,27 @@ class Runtime:
         except RuntimeError as e:
             if _is_remote_user_error(e):
                 raise
-            raise PsUnavailableError(
-                f"parameter server {task} did not answer {self.name} ({_first_line(e)}; calls "
-                f"time out after {self.timeout:.0f} s); the cluster cannot go on without it: "
-                "restart the cluster and restore from the last checkpoint"
-            ) from None
+            raise self.unavailable(task, e) from None
 
-    def refresh(self, ids: Iterable[int], locations: dict[int, str]) -> None:
+    def unavailable(self, task: str, error: BaseException) -> PsUnavailableError:
+        """The error for ps `task` not answering this task's call."""
+        return PsUnavailableError(
+            f"parameter server {task} did not answer {self.name} ({_first_line(error)}; calls "
+            f"time out after {self.timeout:.0f} s); the cluster cannot go on without it: "
+            "restart the cluster and restore from the last checkpoint"
+        )
+
+    def add_sharded(self, key: tuple[int, ...], variable: Any) -> None:
+        """Records a sharded variable (``key``: its shards' ids)."""
+        self.sharded[key] = variable
+        self.shard_ids.update(key)
+
+    def refresh(self, ids: Iterable[int]) -> None:
         """Reads the current values of variables `ids` into the local copies, one
         request per ps task."""
         by_task: dict[str, list[int]] = {}
         for var_id in ids:
-            by_task.setdefault(locations[var_id], []).append(var_id)
+            by_task.setdefault(self.locations[var_id], []).append(var_id)
         futures = [
             (ids_, self.transport.call(task, ps_read, (ids_,), self.timeout))
             for task, ids_ in by_task.items()
@@ -165,16 +178,17 @@ class Runtime:
             try:
                 values = future.wait()
             except RuntimeError as e:
-                raise PsUnavailableError(
-                    f"parameter server {task} did not answer {self.name} ({_first_line(e)}; "
-                    f"calls time out after {self.timeout:.0f} s); restart the cluster and "
-                    "restore from the last checkpoint"
-                ) from None
+                raise self.unavailable(task, e) from None
             with torch.no_grad():
                 for var_id, value in zip(ids_, values):
                     local = self.variables.get(var_id)
                     if local is not None:
                         torch.Tensor.copy_(local.as_subclass(torch.Tensor), value)
+
+    def refresh_whole(self, ids: Iterable[int] | None = None) -> None:
+        """`refresh` of `ids` (default: every variable here) but the shards."""
+        ids = self.variables if ids is None else ids
+        self.refresh(sorted(i for i in ids if i not in self.shard_ids))
 
 
 _current: Runtime | None = None

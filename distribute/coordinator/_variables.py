@@ -275,7 +275,7 @@ class ShardedVariable(torch.Tensor):
 
     def _fetch_all(self) -> torch.Tensor:
         runtime = _runtime.current()
-        runtime.refresh([s.handle.var_id for s in self._ds_shards], runtime.locations)
+        runtime.refresh([s.handle.var_id for s in self._ds_shards])
         return torch.cat([s.detach().as_subclass(torch.Tensor) for s in self._ds_shards])
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
@@ -390,17 +390,13 @@ def _add_rows(out: dict[int, Any], var_id: int, rows: torch.Tensor, grad: torch.
 
 def _rebuild_sharded(handles: tuple[VarHandle, ...]) -> ShardedVariable:
     runtime = _runtime.current()
-    key = ("sharded", *(h.var_id for h in handles))
-    existing = runtime.resources.get(str(key))
+    key = tuple(h.var_id for h in handles)
+    existing = runtime.sharded.get(key)
     if existing is None:
         existing = ShardedVariable([_rebuild_variable(h) for h in handles])
-        runtime.resources[str(key)] = existing
+        runtime.add_sharded(key, existing)
     assert isinstance(existing, ShardedVariable)
     return existing
-
-
-def make_sharded(shards: Sequence[ParameterServerVariable]) -> ShardedVariable:
-    return ShardedVariable(shards)
 
 
 def split_rows(value: torch.Tensor, shards: int) -> list[torch.Tensor]:
@@ -476,10 +472,7 @@ def _send_gradients(optimizer: torch.optim.Optimizer) -> None:
         except RuntimeError as e:
             if _runtime._is_remote_user_error(e):
                 raise
-            raise _runtime.PsUnavailableError(
-                f"parameter server {task} did not take {runtime.name}'s update "
-                f"({_runtime._first_line(e)}); restart the cluster from the last checkpoint"
-            ) from None
+            raise runtime.unavailable(task, e) from None
 
 
 def _group_for(

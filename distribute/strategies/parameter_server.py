@@ -228,6 +228,7 @@ class _ParameterServerExtended(ReplicatedExtended):
         for part in parts:
             self._register(runtime, part)
         sharded = ShardedVariable(parts)
+        runtime.add_sharded(tuple(p.handle.var_id for p in parts), sharded)
         sharded._ds_pending = value.detach().clone()  # type: ignore[attr-defined]  # initialized in place before it is published
         self._pending.append(sharded)
         return sharded
@@ -417,11 +418,9 @@ class ParameterServerStrategy(Strategy):
         """Runs one closure on this worker with fresh values of `variables` (a
         sharded variable's shards are read when used, rows only for lookups)."""
         runtime = self._runtime
-        sharded = _sharded_ids(runtime)
-        for resource in runtime.resources.values():
-            if isinstance(resource, ShardedVariable):
-                resource._ds_reads.clear()  # an earlier closure's lookups without a step
-        runtime.refresh(sorted(variables - sharded), runtime.locations)
+        for sharded in runtime.sharded.values():
+            sharded._ds_reads.clear()  # an earlier closure's lookups without a step
+        runtime.refresh_whole(variables)
         with self.scope():
             return fn(*args, **kwargs)
 
@@ -466,14 +465,6 @@ def shutdown_at_exit(ref: weakref.ref[Any]) -> None:
     strategy = ref()
     if strategy is not None:
         strategy.shutdown()
-
-
-def _sharded_ids(runtime: _runtime.Runtime) -> set[int]:
-    out: set[int] = set()
-    for resource in runtime.resources.values():
-        if isinstance(resource, ShardedVariable):
-            out.update(s.handle.var_id for s in resource.variables)
-    return out
 
 
 def _task_strategy() -> ParameterServerStrategy:

@@ -50,7 +50,6 @@ from distribute.strategies.parameter_server import (
     _Cluster,
     _connect,
     _ParameterServerExtended,
-    _sharded_ids,
     leave_cluster,
     shutdown_at_exit,
     start_task,
@@ -158,9 +157,7 @@ class ParameterServerStrategyV1(Strategy):
         ext = self.extended
         assert isinstance(ext, _ParameterServerExtended)
         ext._publish()
-        runtime = self._runtime
-        sharded = _sharded_ids(runtime)
-        runtime.refresh([i for i in runtime.variables if i not in sharded], runtime.locations)
+        self._runtime.refresh_whole()
         return super().run(fn, args, kwargs, options)
 
     def shutdown(self) -> None:
