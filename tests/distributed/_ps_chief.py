@@ -86,6 +86,12 @@ def _identity(x: Any) -> Any:
     return x
 
 
+def _boom_later(message: str, seconds: float) -> None:
+    """Fails after a while: the closures scheduled right after it are queued by then."""
+    time.sleep(seconds)
+    _boom(message)
+
+
 def _boom(message: str) -> None:
     raise ValueError(message)
 
@@ -249,7 +255,9 @@ def check_closure_errors(coordinator: Any) -> dict[str, Any]:
         out["join_last"] = _error(e)
     out["failing_fetch_0"] = _fetch_outcome(failing)
     # join: the error surfaces, and the closures queued behind it are cancelled.
-    failing = coordinator.schedule(_boom, args=("boom",))
+    # (the failure comes 0.3 s late, before the other worker's first 0.5 s closure
+    # ends: the schedules below happen before it, or the first would raise it)
+    failing = coordinator.schedule(_boom_later, args=("boom", 0.3))
     queued = [coordinator.schedule(_sleep_then, args=(i, 0.5)) for i in range(8)]
     try:
         coordinator.join()
