@@ -5,6 +5,8 @@ Every wait here ends by one deadline, ``start + max(timeout_seconds,
 min_wait_seconds)`` (a worker's start, importing torch, can take longer than a
 collective timeout suited to the steps; the message prints the bound it used):
 
+* rank 0's store listens on the rendezvous address only (torch's would listen
+  on every interface of the host);
 * opening the store runs in a helper thread, so a port held by a program that
   accepts connections and never answers cannot block a rank past the deadline
   (torch's own connect retries and handshake have no such bound);
@@ -19,6 +21,10 @@ collective timeout suited to the steps; the message prints the bound it used):
   claiming the same rank (two tasks with one TF_CONFIG index) is named, while the
   same process joining again after a dropped connection is not; one that claims
   rank 0 while another serves it is named too;
+* with ``rejoin`` (a parameter-server worker), a process claiming a rank whose
+  holder has died takes it over: it posts ``rejoin/<rank>`` and waits until the
+  chief, having found the holder dead, releases ``owner/<rank>`` (or says that the
+  holder is alive: two processes claim the task);
 * a problem found while the ranks gather is posted under ``error`` for all to
   raise; after rank 0 has seen everyone (``complete``), a latecomer's problem is
   raised by the latecomer alone;
@@ -78,6 +84,7 @@ def rendezvous(
     prefix: str = "",
     launcher_serves: bool = False,
     min_wait_seconds: float = MIN_WAIT_SECONDS,
+    rejoin: bool = False,
 ) -> Store:
     """Opens the store (rank 0 serves it unless the launcher does) and waits for every rank.
 
@@ -94,6 +101,8 @@ def rendezvous(
         launcher_serves: the launcher serves the store (torchrun's agent): rank 0
             joins it like the others.
         min_wait_seconds: the shortest bound, for workers that start slowly.
+        rejoin: once the rendezvous is complete, this process may take over its
+            rank from a dead process (NOTE [rendezvous]).
 
     Returns:
         The store, under this rendezvous's own key prefix.
@@ -119,7 +128,7 @@ def rendezvous(
         raw = _open(rank, world_size, master_addr, master_port, serve, deadline, bound, cluster)
         try:
             store = PrefixStore(namespace, raw)
-            _join(store, rank, world_size, cluster, where, start, deadline, bound)
+            _join(store, rank, world_size, cluster, where, start, deadline, bound, rejoin)
             break
         except DistNetworkError as exc:
             # A rank that finished a previous strategy first can reach rank 0's old
@@ -147,6 +156,7 @@ def _join(
     start: float,
     deadline: float,
     bound: float,
+    rejoin: bool = False,
 ) -> None:
     """Publishes this rank and waits until every rank has (see NOTE [rendezvous]).
 
@@ -178,7 +188,7 @@ def _join(
                     "MASTER_ADDR:MASTER_PORT)",
                 )
             agreed = True
-            _claim(store, rank, where)
+            _claim(store, rank, where, deadline if rejoin else None)
             _count(store, rank, world_size)
         if agreed and int(store.add("joined", 0)) >= world_size:
             return
@@ -195,16 +205,38 @@ def _join(
         poll = min(poll * 1.5, _MAX_POLL_SECONDS)
 
 
-def _claim(store: Store, rank: int, where: str) -> None:
-    """Claims `rank` for this process; another process holding it is named."""
+def _claim(store: Store, rank: int, where: str, rejoin_by: float | None = None) -> None:
+    """Claims `rank` for this process; another process holding it is named (with
+    `rejoin_by`, a deadline, this process may take over from a dead holder)."""
     owner = store.compare_set(f"owner/{rank}", "", _PROCESS_ID).decode()
-    if owner != _PROCESS_ID:
+    if owner != _PROCESS_ID and rejoin_by is not None and store.check(["complete"]):
+        _take_over(store, rank, where, rejoin_by)
+    elif owner != _PROCESS_ID:
         _refuse(
             store,
             f"two processes claim rank {rank} of the rendezvous at {where}: each task needs "
             "its own index (check TF_CONFIG's task index, or RANK), and a restarted task "
             "must wait until the old one is gone",
         )
+
+
+def _take_over(store: Store, rank: int, where: str, deadline: float) -> None:
+    """Asks the chief for `rank`, held by another process, and waits for its answer:
+    the rank (its holder was dead) or a refusal (it is alive)."""
+    store.set(f"rejoin/{rank}", _PROCESS_ID)
+    store.add("rejoins", 1)
+    poll = _POLL_SECONDS
+    while store.compare_set(f"owner/{rank}", "", _PROCESS_ID).decode() != _PROCESS_ID:
+        if store.check([f"refused/{_PROCESS_ID}"]):
+            raise InvalidArgumentError(store.get(f"refused/{_PROCESS_ID}").decode())
+        if time.monotonic() > deadline:
+            raise CollectiveTimeoutError(
+                f"rank {rank} of the rendezvous at {where} is still held by another process, "
+                "and the chief did not release it: it answered neither that the holder is "
+                "dead nor that it is alive (is the chief running?)"
+            )
+        time.sleep(poll)
+        poll = min(poll * 1.5, _MAX_POLL_SECONDS)
 
 
 def _refuse(store: Store, message: str) -> NoReturn:
@@ -297,6 +329,7 @@ def _open_bounded(host: str, port: int, world_size: int, serve: bool, deadline: 
                 is_master=serve,
                 timeout=datetime.timedelta(seconds=remaining),
                 wait_for_workers=False,
+                master_listen_fd=_listen(host, port) if serve else None,
             )
         except BaseException as exc:  # delivered to the caller's thread
             box["error"] = exc
@@ -310,6 +343,35 @@ def _open_bounded(host: str, port: int, world_size: int, serve: bool, deadline: 
     if "error" in box:
         raise box["error"]
     raise TimeoutError
+
+
+def _listen(host: str, port: int) -> int | None:
+    """A socket listening on `host`:`port` only, for the store to serve on (torch's
+    own listens on every interface); None (every interface, as torch does) when
+    `host` is not an address of this machine (a name for a NAT'ed or proxied
+    address), which is logged.
+
+    Raises:
+        OSError: the port is taken.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno != errno.EADDRNOTAVAIL:
+            raise
+        logger.warning(
+            "the rendezvous address %s:%s is not an address of this machine; its store "
+            "listens on every interface",
+            host,
+            port,
+        )
+        return None
+    sock.listen(1024)
+    return sock.detach()
 
 
 def _accepts(host: str, port: int) -> bool:

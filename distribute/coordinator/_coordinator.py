@@ -12,7 +12,10 @@ and its worker.
   by the next `schedule`, `join` or `done`, and every queued closure is cancelled.
 * A worker that dies (its call fails: the transport notices a dead peer at
   once) is dropped and its closure goes back to the front of the queue: another
-  worker runs it (at-least-once). With no worker left, the queue fails.
+  worker runs it (at-least-once). Restarted, it rejoins (NOTE [worker restarts] in
+  strategies/parameter_server.py): the per-worker datasets and iterators still held
+  are rebuilt on it, and it gets closures again. With no worker left, the queue
+  waits the strategy's timeout for one to come back, then fails.
 * A ps that does not answer fails the closure with `PsUnavailableError`, which
   stops the queue: training cannot go on without its variables.
 * Every wait is bounded: a closure by the strategy's timeout (then it counts as
@@ -31,6 +34,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import logging
 import threading
 import uuid
 import weakref
@@ -51,6 +55,8 @@ __all__ = [
     "RemoteValue",
     "WorkerLostError",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 class ClosureCancelledError(DistributeError, RuntimeError):
@@ -151,6 +157,10 @@ class _PerWorkerIterators(PerWorkerValues):
     """`iter()` of a per-worker dataset: one iterator per worker, to pass to
     `schedule` (a closure calls ``next()`` on its worker's)."""
 
+    def __init__(self, values: Sequence[Any], dataset: PerWorkerValues) -> None:
+        super().__init__(values)
+        self._dataset = dataset  # kept while the iterators live: a rejoining worker rebuilds both
+
     def __iter__(self) -> _PerWorkerIterators:
         return self
 
@@ -217,6 +227,11 @@ class ClusterCoordinator:
         self._sent: dict[str, set[str]] = {w: set() for w in self._workers}
         self._idle = list(self._workers)
         self._forgotten: list[str] = []  # per-worker objects to free (list ops are atomic)
+        # How to rebuild each per-worker object the chief holds, in creation order:
+        # key -> (pickled dataset_fn, None) or (None, the dataset's key).
+        self._resources: dict[str, tuple[bytes | None, str | None]] = {}
+        self._resources_lock = threading.Lock()  # creation vs. a rejoining worker
+        self._all_lost: threading.Timer | None = None
 
     # -- the public surface ---------------------------------------------------------
 
@@ -310,16 +325,21 @@ class ClusterCoordinator:
             first = source.values[0]
             assert isinstance(first, _Resource)
             src_key = first.key
-        futures = [
-            (
-                w,
-                runtime.transport.call(
-                    w, _runtime.worker_make_resource, (key, blob or b"", src_key), runtime.timeout
-                ),
-            )
-            for w in self._workers
-            if w in self._alive
-        ]
+        with self._resources_lock:
+            self._resources[key] = (blob, src_key)
+            futures = [
+                (
+                    w,
+                    runtime.transport.call(
+                        w,
+                        _runtime.worker_make_resource,
+                        (key, blob or b"", src_key),
+                        runtime.timeout,
+                    ),
+                )
+                for w in self._workers
+                if w in self._alive
+            ]
         for worker, future in futures:
             try:
                 failure = future.wait()
@@ -330,7 +350,9 @@ class ClusterCoordinator:
                 raise failure.error
         resources = [_Resource(key) for _ in self._workers]
         made: PerWorkerValues = (
-            _PerWorkerDataset(self, resources) if source is None else _PerWorkerIterators(resources)
+            _PerWorkerDataset(self, resources)
+            if source is None
+            else _PerWorkerIterators(resources, source)
         )
         # Gone from the chief (nothing can refer to it any more: a queued closure
         # holds its arguments), it is freed on the workers at the next schedule.
@@ -345,6 +367,9 @@ class ClusterCoordinator:
         keys = []
         while self._forgotten:
             keys.append(self._forgotten.pop())
+        with self._resources_lock:
+            for key in keys:
+                self._resources.pop(key, None)
         runtime = self._runtime
         for worker in list(self._alive):
             with contextlib.suppress(Exception):  # a dead worker frees nothing
@@ -389,16 +414,69 @@ class ClusterCoordinator:
             )
 
     def _lose(self, worker: str) -> None:
+        """Drops `worker` (dead); with none left, the queue fails unless one comes
+        back within the timeout."""
         with self._cond:
+            if worker not in self._alive:
+                return
             self._alive.discard(worker)
-            alive = bool(self._alive)
-        if not alive:
-            self._fail(
-                WorkerLostError(
-                    f"every worker is gone (the last was {worker}); restart the workers "
-                    "(and the chief, which cannot take them back yet)"
-                )
+            if worker in self._idle:
+                self._idle.remove(worker)
+            if self._alive or self._all_lost is not None:
+                return
+            timer = self._all_lost = threading.Timer(
+                self._runtime.timeout, self._none_came_back, args=(worker,)
             )
+        timer.daemon = True
+        timer.start()
+
+    def _none_came_back(self, last: str) -> None:
+        with self._cond:
+            self._all_lost = None
+            if self._alive:
+                return
+        self._fail(
+            WorkerLostError(
+                f"every worker is gone (the last was {last}) and none came back within "
+                f"{self._runtime.timeout:.0f} s; restart workers (ds.Server with their "
+                "TF_CONFIG): they rejoin the running cluster"
+            )
+        )
+
+    def _readmit(self, worker: str) -> None:
+        """`worker`'s restarted process joined: rebuilds on it the per-worker objects
+        the chief holds (iterators start over), then sends it closures."""
+        runtime = self._runtime
+        with self._resources_lock:
+            for key, (blob, source) in self._resources.items():
+                try:
+                    failure = runtime.transport.call(
+                        worker,
+                        _runtime.worker_make_resource,
+                        (key, blob or b"", source),
+                        runtime.timeout,
+                    ).wait()
+                except Exception:
+                    return  # gone again; it may come back once more
+                if isinstance(failure, _runtime.ClosureFailure):
+                    logger.error(
+                        "%s came back, but rebuilding a per-worker dataset there failed; it "
+                        "gets no closures:\n%s",
+                        worker,
+                        failure.text,
+                    )
+                    return
+            with self._cond:
+                self._sent[worker] = set()
+                self._alive.add(worker)
+                if worker not in self._idle:
+                    self._idle.append(worker)
+                if self._all_lost is not None:
+                    self._all_lost.cancel()
+                    self._all_lost = None
+                self._cond.notify_all()
+        logger.info("%s rejoined; it runs closures again", worker)
+        self._pump()
 
     def _pump(self) -> None:
         """Sends queued closures to idle workers (NOTE [scheduling])."""
@@ -514,6 +592,8 @@ class ClusterCoordinator:
         """The cluster is shutting down: queued closures are cancelled."""
         with self._cond:
             self._stopping = True
+            if self._all_lost is not None:
+                self._all_lost.cancel()
             cancelled = list(self._queue)
             self._queue.clear()
             self._cond.notify_all()

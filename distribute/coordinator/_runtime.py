@@ -72,6 +72,11 @@ class _Failed:
     def call(self, task: str, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> Any:
         raise PsUnavailableError(f"this task never connected to the cluster: {self._reason}")
 
+    restarted = False
+
+    def forget(self, task: str) -> None:
+        pass
+
     def shutdown(self) -> None:
         pass
 
@@ -83,6 +88,11 @@ class _NotConnected:
 
     def call(self, task: str, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> Any:
         raise PsUnavailableError(f"this task is not connected to the cluster yet (calling {task})")
+
+    restarted = False
+
+    def forget(self, task: str) -> None:
+        pass
 
     def shutdown(self) -> None:
         pass
@@ -408,6 +418,15 @@ def worker_free_resources(keys: list[str]) -> None:
 
 def worker_ping() -> str:
     return current().name
+
+
+def worker_rejoined(worker: str) -> None:
+    """On the chief: `worker`'s restarted process has joined (NOTE [worker restarts]);
+    it is taken back in a thread of its own (that sends calls and waits for them)."""
+    strategy = current().strategy
+    threading.Thread(
+        target=strategy._worker_rejoined, args=(worker,), name="distribute-ps-readmit", daemon=True
+    ).start()
 
 
 def ps_worker_done(worker: str) -> None:

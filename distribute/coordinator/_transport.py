@@ -1,10 +1,11 @@
 """The one interface parameter-server tasks talk through, and its rpc implementation.
 
 Everything the parameter-server code sends between tasks goes through `Transport`:
-start it, call a module-level function on a named task (a future), stop it. The
-implementation here is `torch.distributed.rpc` over TensorPipe, which upstream has
-put in maintenance mode; another transport (gRPC, a socket protocol) replaces it by
-implementing these three methods.
+start it, call a module-level function on a named task (a future), forget a dead
+task (its restarted process may then join), stop it. The implementation here is
+`torch.distributed.rpc` over TensorPipe, which upstream has put in maintenance
+mode; another transport (gRPC, a socket protocol) replaces it by implementing
+these few methods.
 
 The rpc agent joins through the store of this library's rendezvous (`rendezvous()`:
 bounded, comparing every task's cluster spec, naming a duplicated task), so a task
@@ -21,10 +22,22 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import logging
+import os
+import socket
+import struct
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from torch.futures import Future
+
+from distribute.errors import CollectiveTimeoutError, InvalidArgumentError
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["RpcTransport", "Transport"]
 
@@ -42,47 +55,105 @@ class Transport(Protocol):
         call takes longer than `timeout` seconds."""
         ...
 
+    @property
+    def restarted(self) -> bool:
+        """Whether this process took over a task that had died (a rejoining worker)."""
+        ...
+
+    def forget(self, task: str) -> None:
+        """Forgets dead `task`, so that its restarted process can join."""
+        ...
+
     def shutdown(self) -> None:
         """Stops this task's endpoint without waiting for the others."""
         ...
 
 
 class RpcTransport:
-    """`Transport` over `torch.distributed.rpc` (TensorPipe), one per process."""
+    """`Transport` over `torch.distributed.rpc` (TensorPipe), one per process.
 
-    def __init__(self, name: str) -> None:
+    The rpc group is dynamic (``world_size=None``), so a worker's restarted process
+    can join a running cluster (NOTE [rpc names]).
+    """
+
+    def __init__(self, name: str, rpc_name: str, store: Any, timeout: float) -> None:
         self._name = name
+        self._rpc_name = rpc_name
+        self._store = store
+        self._timeout = timeout
         self._stopped = False
 
     @classmethod
     def start(
-        cls, name: str, *, rank: int, world_size: int, store: Any, timeout_seconds: float
+        cls,
+        name: str,
+        *,
+        host: str,
+        rank: int,
+        world_size: int,
+        store: Any,
+        timeout_seconds: float,
     ) -> RpcTransport:
-        """Joins the rpc group of `world_size` tasks through `store` (every task calls
-        this; it returns when all have)."""
+        """Joins the cluster's rpc group through `store`, listening on `host` (this
+        task's address in the cluster spec) only. A task's first process returns
+        once every task has joined; a restarted one (its rank started before)
+        returns once every live task knows its new rpc name.
+
+        Raises:
+            CollectiveTimeoutError: tasks did not join within `timeout_seconds`.
+        """
         import torch.distributed.autograd as dist_autograd
         import torch.distributed.rpc as rpc
 
+        generation = int(store.add(f"transport/starts/{rank}", 1)) - 1
+        rpc_name = name if generation == 0 else f"{name}:{generation}"
+        worker_id = rank + world_size * generation  # rpc never takes an id back either
+        if worker_id > _MAX_WORKER_ID:
+            raise InvalidArgumentError(
+                f"{name} was restarted {generation} times; rpc has no ids left for it: "
+                "restart the cluster"
+            )
+        _listen_on(host)
         options = rpc.TensorPipeRpcBackendOptions(
             rpc_timeout=timeout_seconds, init_method="tcp://unused"
         )
         # What init_rpc does after its own rendezvous; the store is ours (module doc).
-        dist_autograd._init(rank)  # type: ignore[attr-defined]  # private, as init_rpc calls it
+        dist_autograd._init(worker_id)  # type: ignore[attr-defined]  # private, as init_rpc calls it
         backend = rpc.BackendType.TENSORPIPE  # type: ignore[attr-defined]  # an enum made at runtime
-        rpc._init_rpc_backend(backend, store, name, rank, world_size, options)  # type: ignore[no-untyped-call]  # untyped in torch
-        return cls(name)
+        rpc._init_rpc_backend(backend, store, rpc_name, worker_id, None, options)  # type: ignore[no-untyped-call]  # untyped in torch
+        transport = cls(name, rpc_name, store, timeout_seconds)
+        if generation == 0:
+            transport._wait_for_everyone(rank, world_size)
+        else:
+            transport._announce()
+        return transport
 
     @property
     def name(self) -> str:
         return self._name
+
+    @property
+    def restarted(self) -> bool:
+        return self._rpc_name != self._name
 
     def call(
         self, task: str, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float
     ) -> Future[Any]:
         import torch.distributed.rpc as rpc
 
-        future: Future[Any] = rpc.rpc_async(task, fn, args=args, timeout=timeout)
+        future: Future[Any] = rpc.rpc_async(
+            _rpc_names.get(task, task), fn, args=args, timeout=timeout
+        )
         return future
+
+    def forget(self, task: str) -> None:
+        """Drops dead `task` from rpc's member list, so that processes joining later
+        (its restarted process among them) do not wait for it."""
+        dead = _rpc_names.get(task, task)
+        with self._membership_token():
+            members = self._store.get(_MEMBERS_KEY).decode()
+            kept = [m for m in members.split(",") if m and m.rsplit("-", 1)[0] != dead]
+            self._store.set(_MEMBERS_KEY, "".join(f"{m}," for m in kept))
 
     def shutdown(self) -> None:
         if self._stopped:
@@ -91,3 +162,118 @@ class RpcTransport:
         import torch.distributed.rpc as rpc
 
         rpc.shutdown(graceful=False)
+
+    # -- internals ------------------------------------------------------------------
+
+    def _wait_for_everyone(self, rank: int, world_size: int) -> None:
+        """A task's first start: waits until every task has joined the rpc group
+        (until then a call to a task that has not joined would fail)."""
+        self._store.set(f"transport/ready/{rank}", "1")
+        keys = [f"transport/ready/{r}" for r in range(world_size)]
+        deadline = time.monotonic() + self._timeout
+        while not self._store.check(keys):
+            if time.monotonic() > deadline:
+                absent = [r for r, k in enumerate(keys) if not self._store.check([k])]
+                raise CollectiveTimeoutError(
+                    f"{self._name}: ranks {absent} of the parameter-server cluster did not "
+                    f"join its rpc group within {self._timeout:.0f} s"
+                )
+            time.sleep(0.01)
+
+    def _announce(self) -> None:
+        """A restarted task: tells every live task its new rpc name."""
+        import torch.distributed.rpc as rpc
+
+        futures = [
+            rpc.rpc_async(info.name, _renamed, args=(self._name, self._rpc_name))
+            for info in rpc._get_current_rpc_agent().get_worker_infos()  # type: ignore[attr-defined]  # private
+            if info.name != self._rpc_name
+        ]
+        for future in futures:
+            future.wait()
+        _renamed(self._name, self._rpc_name)
+
+    @contextlib.contextmanager
+    def _membership_token(self) -> Iterator[None]:
+        """Holds rpc's membership token (rpc's joins and leaves hold it too)."""
+        mine = f"Token_for_{self._rpc_name}_forget_{uuid.uuid4().hex}"
+        deadline = time.monotonic() + self._timeout
+        while self._store.compare_set(_TOKEN_KEY, "", mine).decode() != mine:
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(
+                    f"{self._name}: rpc's membership token was held for {self._timeout:.0f} s "
+                    "(a task died while joining?)"
+                )
+            time.sleep(0.01)
+        try:
+            yield
+        finally:
+            self._store.set(_TOKEN_KEY, "")
+            self._store.set(mine, "Done")  # what a joiner that waited for us waits on
+
+
+# NOTE [rpc names]
+# rpc keeps a name, and an id, for good once a process took it, and refuses a second
+# process under it; ``-`` separates name and id in its member list. A task's first
+# process is named as the task (``worker_1``), a restarted one ``worker_1:<n>``, with
+# id ``rank + world_size * n``. Every process maps task names to the current rpc
+# names (`_rpc_names`), so callers only ever name tasks. A dead task stays in rpc's
+# member list (rpc assumes members leave with a graceful shutdown), and a process
+# joining calls every member, so the chief `forget`s dead tasks before a restarted
+# one joins. The keys below are rpc's own layout in the store (torch 2.x,
+# torch/csrc/distributed/rpc/agent_utils.cpp); the worker-restart test fails if it
+# changes.
+_MEMBERS_KEY = "names/_ALL_WORKER_INFOS"
+_TOKEN_KEY = "RpcGroupManagementToken"
+_MAX_WORKER_ID = 32767  # rpc's ids are int16
+
+_rpc_names: dict[str, str] = {}
+
+
+def _listen_on(host: str) -> None:
+    """Makes TensorPipe listen on the network interface that has `host`'s address
+    (it listens on the interface ``TP_SOCKET_IFNAME`` names, else on the address
+    the machine's hostname resolves to). A ``TP_SOCKET_IFNAME`` already set wins;
+    a `host` no interface here has (a NAT'ed address) is logged and left alone."""
+    if os.environ.get("TP_SOCKET_IFNAME"):
+        return
+    interface = interface_of(host)
+    if interface is None:
+        logger.warning(
+            "no network interface of this machine has the address of %s (this task's "
+            "address in the cluster spec); rpc listens where TensorPipe picks (set "
+            "TP_SOCKET_IFNAME to choose)",
+            host,
+        )
+        return
+    os.environ["TP_SOCKET_IFNAME"] = interface  # read once, when the first agent starts
+
+
+def interface_of(host: str) -> str | None:
+    """The name of this machine's network interface with `host`'s IPv4 address
+    (Linux), or None."""
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        return None
+    if not sys.platform.startswith("linux"):
+        return None
+    import fcntl
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(
+                    sock.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode())
+                )
+            except OSError:
+                continue  # no IPv4 address
+            if socket.inet_ntoa(packed[20:24]) == address:
+                return name
+    return "lo" if address.startswith("127.") else None
+
+
+def _renamed(task: str, rpc_name: str) -> None:
+    """Run on every live task when `task` comes back as `rpc_name`."""
+    _rpc_names[task] = rpc_name

@@ -84,15 +84,24 @@ class LocalCluster:
     def _start(self, job: str, index: int) -> subprocess.Popen[bytes]:
         env = {**os.environ, **self._env, "TF_CONFIG": self.tf_config(job, index)}
         env.setdefault("OMP_NUM_THREADS", "1")
-        if sys.platform.startswith("linux"):
-            # TensorPipe listens on the interface this names (else the host's first
-            # one): the cluster's addresses are loopback, so is every listener.
-            env.setdefault("TP_SOCKET_IFNAME", "lo")
         return subprocess.Popen(
             [sys.executable, "-m", "distribute.coordinator.serve"],
             env=env,
             start_new_session=True,
         )
+
+    def restart(self, task: str) -> None:
+        """Starts task `task` again after it exited (a worker rejoins the running
+        cluster; a restarted ps cannot: its variables are gone).
+
+        Raises:
+            ValueError: the task is still running.
+        """
+        proc = self.processes[task]
+        if proc.poll() is None:
+            raise ValueError(f"{task} is still running (pid {proc.pid}); kill it first")
+        job, index = task.rsplit("_", 1)
+        self.processes[task] = self._start(job, int(index))
 
     def kill(self, task: str) -> None:
         """Kills task `task` (``"worker_1"``, ``"ps_0"``) with SIGKILL."""
@@ -138,11 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give the chief's (with --v1: every worker's) script after --")
     cluster = LocalCluster(args.workers, args.ps, chief=not args.v1)
     tasks = [("worker", i) for i in range(args.workers)] if args.v1 else [("chief", 0)]
-    loopback = {"TP_SOCKET_IFNAME": "lo"} if sys.platform.startswith("linux") else {}
     programs = [
         subprocess.Popen(
             [sys.executable, *script],
-            env={**loopback, **os.environ, "TF_CONFIG": cluster.tf_config(job, index)},
+            env={**os.environ, "TF_CONFIG": cluster.tf_config(job, index)},
         )
         for job, index in tasks
     ]

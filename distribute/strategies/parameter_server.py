@@ -90,6 +90,7 @@ class _Cluster:
         self.workers = [task_name("worker", i) for i in range(len(workers))]
         self.ps = [task_name("ps", i) for i in range(len(ps))]
         self.names = [*(["chief"] if chief else []), *self.workers, *self.ps]
+        self.addresses = dict(zip(self.names, [*chief, *workers, *ps]))
         first = chief[0] if chief else workers[0]
         self.host, self.port = split_host_port(str(first), where=f"the address of {self.names[0]}")
         self.fingerprint = json.dumps({k: spec[k] for k in sorted(spec)}, sort_keys=True)
@@ -109,9 +110,13 @@ def _connect(
         timeout,
         cluster=cluster.fingerprint,
         prefix="ps/",
+        # a worker's restarted process takes its place (the chief finds the old dead)
+        rejoin=cluster.has_chief and name in cluster.workers,
     )
+    host, _ = split_host_port(str(cluster.addresses[name]), where=f"the address of {name}")
     transport = RpcTransport.start(
         name,
+        host=host,
         rank=cluster.rank(name),
         world_size=len(cluster.names),
         store=store,
@@ -380,9 +385,17 @@ class ParameterServerStrategy(Strategy):
         runtime.strategy = self
         self._runtime = runtime
         cluster = self._cluster
-        start_task(runtime, lambda: _connect(cluster_resolver, cluster, "chief", self._timeout))
+        self._store = start_task(
+            runtime, lambda: _connect(cluster_resolver, cluster, "chief", self._timeout)
+        )
         # An endpoint left open at exit aborts the interpreter; the tasks must hear.
         atexit.register(shutdown_at_exit, weakref.ref(self))
+        threading.Thread(
+            target=_watch_rejoins,
+            args=(weakref.ref(self),),
+            name="distribute-ps-rejoins",
+            daemon=True,
+        ).start()
 
     def __reduce__(self) -> Any:
         return (_task_strategy, ())
@@ -424,6 +437,40 @@ class ParameterServerStrategy(Strategy):
         with self.scope():
             return fn(*args, **kwargs)
 
+    # -- workers that come back -------------------------------------------------------
+
+    def _admit_rejoins(self) -> None:
+        """Answers the restarted workers asking for their task (NOTE [worker
+        restarts]): a dead holder is forgotten and its rank released; a live one
+        means two processes claim the task, and the newcomer is refused."""
+        store, runtime = self._store, self._runtime
+        for worker in self._cluster.workers:
+            rank = self._cluster.rank(worker)
+            if not store.check([f"rejoin/{rank}"]):
+                continue
+            process = store.get(f"rejoin/{rank}").decode()
+            store.delete_key(f"rejoin/{rank}")
+            if _answers(runtime, worker):
+                store.set(
+                    f"refused/{process}",
+                    f"{worker} is alive, so two processes claim it (check TF_CONFIG's task "
+                    "index); a restarted worker takes over once the old process is gone",
+                )
+                continue
+            # Every dead worker is forgotten: a joining process calls every member.
+            for other in self._cluster.workers:
+                if other == worker or not _answers(runtime, other):
+                    runtime.transport.forget(other)
+                    if self._coordinator is not None:
+                        self._coordinator._lose(other)
+            store.delete_key(f"owner/{rank}")
+            logger.info("%s was restarted; it rejoins the cluster", worker)
+
+    def _worker_rejoined(self, worker: str) -> None:
+        """`worker`'s restarted process has joined: the coordinator takes it back."""
+        if self._coordinator is not None and not self._closed:
+            self._coordinator._readmit(worker)
+
     # -- shutting down ----------------------------------------------------------------
 
     def shutdown(self) -> None:
@@ -458,6 +505,49 @@ def leave_cluster(
             future.wait()
     runtime.transport.shutdown()
     _runtime.install(None)
+
+
+# NOTE [worker restarts]
+# A worker's restarted process (same TF_CONFIG, `ds.Server(...).join()`) finds its
+# rank held by the dead process in the rendezvous; it posts ``rejoin/<rank>`` and
+# waits. The chief's watcher (below) pings the old process: alive, the newcomer is
+# refused (two processes claim one task); dead, the chief forgets it in the
+# transport and releases the rank. The newcomer then joins under a new transport
+# name, which every task learns, and calls `worker_rejoined` on the chief; the
+# coordinator rebuilds the per-worker datasets and iterators it still holds on the
+# new process (iterators start over) and sends it closures again.
+
+
+def _watch_rejoins(ref: weakref.ref[ParameterServerStrategy]) -> None:
+    """The chief's thread answering rejoin requests, until its strategy shuts down."""
+    seen = 0
+    while True:
+        time.sleep(_REJOIN_POLL_SECONDS)
+        strategy = ref()
+        if strategy is None or strategy._closed:
+            return
+        try:
+            requests = int(strategy._store.add("rejoins", 0))
+            if requests != seen:
+                seen = requests
+                strategy._admit_rejoins()
+        except Exception:  # the store or the transport closing under a shutdown
+            if strategy._closed:
+                return
+            logger.exception("answering a restarted worker failed")
+        del strategy
+
+
+_REJOIN_POLL_SECONDS = 0.5
+
+
+def _answers(runtime: _runtime.Runtime, task: str) -> bool:
+    """Whether `task` answers a ping within 5 s."""
+    try:
+        runtime.transport.call(task, _runtime.worker_ping, (), 5.0).wait()
+        return True
+    except Exception:
+        return False
 
 
 def shutdown_at_exit(ref: weakref.ref[Any]) -> None:
@@ -523,6 +613,10 @@ class Server:
         self._runtime = runtime
         name = self._name
         start_task(runtime, lambda: _connect(cluster_resolver, cluster, name, timeout_seconds))
+        if runtime.transport.restarted:  # NOTE [worker restarts]
+            runtime.transport.call(
+                "chief", _runtime.worker_rejoined, (name,), float(timeout_seconds)
+            ).wait()
 
     def join(self) -> None:
         """Serves until the cluster shuts down (the chief says so; without a chief,
@@ -556,8 +650,4 @@ class Server:
         _runtime.install(None)
 
     def _answers(self, task: str) -> bool:
-        try:
-            self._runtime.transport.call(task, _runtime.worker_ping, (), 5.0).wait()
-            return True
-        except Exception:
-            return False
+        return _answers(self._runtime, task)

@@ -13,6 +13,7 @@ workers by value (this file is ``__main__`` there too).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -383,6 +384,35 @@ class _ProcessOfAnotherCluster:
         }
 
 
+def _listening_addresses(pid: int) -> list[str]:
+    """The addresses process `pid`'s TCP sockets listen on (from /proc: Linux)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            host = local.split(":")[0]
+            if table == "tcp":
+                found.append(".".join(str(int(host[i : i + 2], 16)) for i in (6, 4, 2, 0)))
+            else:
+                found.append("::" if int(host, 16) == 0 else f"ipv6:{host}")
+    return sorted(set(found))
+
+
+def check_listeners(cluster: Any) -> dict[str, Any]:
+    """Where every task of `cluster` (this chief included) listens."""
+    pids = {"chief": os.getpid(), **{name: p.pid for name, p in cluster.processes.items()}}
+    return {name: _listening_addresses(pid) for name, pid in pids.items()}
+
+
 # -- cases: one cluster each ----------------------------------------------------------------
 
 
@@ -396,6 +426,7 @@ def case_one_ps() -> dict[str, Any]:
         intruder = _ProcessOfAnotherCluster(cluster, {"type": "ps", "index": 0})
         scalars = _scalars(strategy, 2)
         out = {
+            "listeners": _attempt(None, lambda: check_listeners(cluster)),
             "placement": {"tasks": [v.handle.task for v in scalars]},
             "schedule": _attempt(
                 coordinator, lambda: check_schedule_join_fetch(coordinator, scalars)
@@ -448,10 +479,11 @@ def case_two_ps_sharded() -> dict[str, Any]:
 
 
 def case_worker_failure() -> dict[str, Any]:
-    """2 workers, 1 ps: worker_1 is killed while 50 closures run."""
-    closures = 50
+    """2 workers, 1 ps: worker_1 is killed while 50 closures run; then worker_0, and
+    nothing comes back."""
+    closures, timeout = 50, 8.0
     with ds.coordinator.LocalCluster(num_workers=2, num_ps=1) as cluster:
-        strategy = ds.ParameterServerStrategy(cluster.resolver, timeout_seconds=30)
+        strategy = ds.ParameterServerStrategy(cluster.resolver, timeout_seconds=timeout)
         coordinator = ds.coordinator.ClusterCoordinator(strategy)
 
         def run() -> dict[str, Any]:
@@ -472,7 +504,118 @@ def case_worker_failure() -> dict[str, Any]:
                 "counter": int(counter.read_value()),
             }
 
-        out = {"run": _attempt(coordinator, run)}
+        def all_lost() -> dict[str, Any]:
+            cluster.kill("worker_0")
+            start = time.monotonic()
+            value = coordinator.schedule(_identity, args=(1,))
+            result: dict[str, Any] = {"timeout_seconds": timeout}
+            try:
+                coordinator.join()
+                result["join"] = None
+            except Exception as e:
+                result["join"] = _error(e)
+            result["seconds"] = time.monotonic() - start
+            result["value"] = _fetch_outcome(value)
+            return result
+
+        out = {"run": _attempt(coordinator, run), "all_lost": _attempt(None, all_lost)}
+        strategy.shutdown()
+        out["exit_codes"] = cluster.wait(30.0)
+    return out
+
+
+def _pid_and_batch(iterator: Iterator[torch.Tensor]) -> tuple[int, list[int]]:
+    return os.getpid(), [int(x) for x in next(iterator)]
+
+
+def _increment_and_pid(counter: Any, seconds: float) -> int:
+    time.sleep(seconds)
+    counter.assign_add(1)
+    return os.getpid()
+
+
+def _serve(cluster: Any, task: dict[str, Any]) -> subprocess.Popen[str]:
+    """A ``serve`` process of `cluster` for `task` (a second process claiming it)."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+        "TF_CONFIG": json.dumps({"cluster": cluster.spec, "task": task}),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "distribute.coordinator.serve"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def case_worker_restart() -> dict[str, Any]:
+    """2 workers, 1 ps: worker_1 is killed during 50 closures and restarted; it
+    rejoins, its per-worker iterator rebuilt; a second process claiming the live
+    worker_0 is refused."""
+    closures = 50
+    with ds.coordinator.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = ds.ParameterServerStrategy(cluster.resolver, timeout_seconds=30)
+        coordinator = ds.coordinator.ClusterCoordinator(strategy)
+
+        def run() -> dict[str, Any]:
+            with strategy.scope():
+                counter = ds.Variable(0, aggregation=ds.VariableAggregation.SUM)
+            iterators = iter(coordinator.create_per_worker_dataset(_repeating_batches))
+            values = [
+                coordinator.schedule(_increment_slowly, args=(counter, i, 0.02))
+                for i in range(closures)
+            ]
+            values[5].fetch()
+            old_pid = cluster.processes["worker_1"].pid
+            cluster.kill("worker_1")
+            killed = time.monotonic()
+            cluster.restart("worker_1")
+            new_pid = cluster.processes["worker_1"].pid
+            coordinator.join()
+            fetched = [v.fetch() for v in values]
+            # The restarted worker runs closures again once it has rejoined.
+            first_batch_there: list[int] | None = None
+            while first_batch_there is None and time.monotonic() - killed < 60:
+                results = [
+                    coordinator.schedule(_pid_and_batch, args=(iterators,)) for _ in range(4)
+                ]
+                coordinator.join()
+                there = [batch for pid, batch in coordinator.fetch(results) if pid == new_pid]
+                first_batch_there = there[0] if there else None
+            rejoined_after = time.monotonic() - killed
+            before = int(counter.read_value())
+            after = [
+                coordinator.schedule(_increment_and_pid, args=(counter, 0.05)) for _ in range(20)
+            ]
+            coordinator.join()
+            return {
+                "closures": closures,
+                "fetched": fetched,
+                "counter_after_kill": before,
+                "counter_after_rejoin": int(counter.read_value()),
+                "old_pid": old_pid,
+                "new_pid": new_pid,
+                "worker_0_pid": cluster.processes["worker_0"].pid,
+                "rejoined_after_seconds": rejoined_after,
+                "first_batch_there": first_batch_there,
+                "pids_after_rejoin": sorted(set(coordinator.fetch(after))),
+            }
+
+        def duplicate() -> dict[str, Any]:
+            proc = _serve(cluster, {"type": "worker", "index": 0})
+            try:
+                _, stderr = proc.communicate(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, stderr = proc.communicate()
+            still = coordinator.schedule(_identity, args=(5,)).fetch()
+            return {"returncode": proc.returncode, "stderr_tail": stderr[-1500:], "still": still}
+
+        out = {"run": _attempt(coordinator, run), "duplicate": _attempt(coordinator, duplicate)}
         strategy.shutdown()
         out["exit_codes"] = cluster.wait(30.0)
     return out
@@ -674,6 +817,7 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "one_ps": case_one_ps,
     "two_ps_sharded": case_two_ps_sharded,
     "worker_failure": case_worker_failure,
+    "worker_restart": case_worker_restart,
     "ps_failure": case_ps_failure,
     "robustness": case_robustness,
 }

@@ -281,16 +281,77 @@ def test_min_size_partitioner_shards_a_large_variable_and_keeps_a_small_one_whol
 # -- failures -----------------------------------------------------------------------------
 
 
-def test_closures_of_a_killed_worker_run_elsewhere_at_least_once() -> None:
-    report = _run_chief("worker_failure")
-    check = _check(report, "run")
+@pytest.fixture(scope="module")
+def worker_failure() -> dict[str, Any]:
+    """2 workers, 1 ps: worker_1 killed during 50 closures, then worker_0."""
+    return _run_chief("worker_failure")
+
+
+@pytest.fixture(scope="module")
+def worker_restart() -> dict[str, Any]:
+    """2 workers, 1 ps: worker_1 killed during 50 closures and restarted."""
+    return _run_chief("worker_restart")
+
+
+def test_closures_of_a_killed_worker_run_elsewhere_at_least_once(
+    worker_failure: dict[str, Any],
+) -> None:
+    check = _check(worker_failure, "run")
     closures = check["closures"]
     assert check["fetched"] == list(range(closures))
     # at least once: the killed worker may have incremented before it died
     assert closures <= check["counter"] <= closures + 1, check["counter"]
-    codes = report["exit_codes"]
-    assert codes.pop("worker_1") == -9  # SIGKILL
-    assert codes == {"ps_0": 0, "worker_0": 0}
+
+
+def test_with_every_worker_dead_join_fails_naming_the_loss_after_the_timeout(
+    worker_failure: dict[str, Any],
+) -> None:
+    check = _check(worker_failure, "all_lost")
+    error = check["join"]
+    assert error is not None, "join returned with every worker dead"
+    assert "WorkerLostError" in error["mro"], error
+    assert "worker_0" in error["message"] and "came back" in error["message"]
+    # it waited for a worker to come back, but not much longer than the timeout
+    timeout = check["timeout_seconds"]
+    assert timeout - 1.0 <= check["seconds"] < timeout + 5.0, check["seconds"]
+    assert check["value"]["type"] == "ClosureCancelledError", check["value"]
+    assert worker_failure["exit_codes"] == {"ps_0": 0, "worker_0": -9, "worker_1": -9}
+
+
+def test_a_restarted_worker_rejoins_and_runs_closures_again(
+    worker_restart: dict[str, Any],
+) -> None:
+    check = _check(worker_restart, "run")
+    closures = check["closures"]
+    assert check["fetched"] == list(range(closures))
+    assert closures <= check["counter_after_kill"] <= closures + 1
+    assert check["new_pid"] != check["old_pid"]
+    assert check["rejoined_after_seconds"] < 60.0
+    # after it rejoined, closures run on both workers: the restarted process too
+    assert check["pids_after_rejoin"] == sorted([check["worker_0_pid"], check["new_pid"]])
+    assert check["counter_after_rejoin"] == check["counter_after_kill"] + 20
+
+
+def test_a_restarted_workers_per_worker_iterator_is_rebuilt_from_the_start(
+    worker_restart: dict[str, Any],
+) -> None:
+    check = _check(worker_restart, "run")
+    assert check["first_batch_there"] == [0, 1]
+
+
+def test_a_second_process_claiming_a_live_worker_is_refused_naming_it(
+    worker_restart: dict[str, Any],
+) -> None:
+    check = _check(worker_restart, "duplicate")
+    assert check["returncode"] not in (0, None), check
+    assert "worker_0 is alive, so two processes claim it" in check["stderr_tail"]
+    assert check["still"] == 5  # the cluster goes on
+
+
+def test_every_task_exits_0_after_a_restart_and_a_clean_shutdown(
+    worker_restart: dict[str, Any],
+) -> None:
+    assert worker_restart["exit_codes"] == {"ps_0": 0, "worker_0": 0, "worker_1": 0}
 
 
 def test_a_killed_ps_is_named_by_the_next_join_within_the_timeout(
@@ -317,6 +378,18 @@ def test_every_task_exits_0_after_a_clean_shutdown(
 
 
 # -- a process of another cluster ---------------------------------------------------------
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_every_task_listens_on_its_cluster_spec_address_only(one_ps: dict[str, Any]) -> None:
+    """The spec's addresses are 127.0.0.1: nothing listens on another interface (the
+    chief's rendezvous store, TensorPipe's listeners), though no TP_SOCKET_IFNAME
+    was set."""
+    check = _check(one_ps, "listeners")
+    assert set(check) == {"chief", "ps_0", "worker_0", "worker_1"}
+    for task, addresses in check.items():
+        assert addresses, f"{task} listens nowhere?"
+        assert set(addresses) == {"127.0.0.1"}, (task, addresses)
 
 
 def test_a_process_of_another_cluster_is_refused_quickly_naming_the_difference(
