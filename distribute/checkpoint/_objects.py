@@ -73,8 +73,10 @@ def is_per_worker(obj: Any) -> bool:
 def _logical(value: torch.Tensor) -> torch.Tensor:
     if isinstance(value, DistributedVariable):
         return value._cross_replica_value().detach()
-    if _is_sharded(value):
-        return value.read_value()  # type: ignore[attr-defined, no-any-return]  # a ShardedVariable: every shard, from its ps
+    if _on_parameter_servers(value):
+        # the ps's value (the chief's copy is only as fresh as the last join), a
+        # ShardedVariable's every shard
+        return value.read_value()  # type: ignore[attr-defined, no-any-return]  # defined by both classes
     return value.detach()
 
 
@@ -82,6 +84,20 @@ def _is_sharded(value: Any) -> bool:
     from distribute.coordinator._variables import ShardedVariable
 
     return isinstance(value, ShardedVariable)
+
+
+def _on_parameter_servers(value: Any) -> bool:
+    from distribute.coordinator._variables import ParameterServerVariable, ShardedVariable
+
+    return isinstance(value, (ParameterServerVariable, ShardedVariable))
+
+
+def _is_ps_optimizer(obj: Any) -> bool:
+    if not isinstance(obj, torch.optim.Optimizer):
+        return False
+    from distribute.coordinator._variables import is_ps_optimizer
+
+    return is_ps_optimizer(obj)
 
 
 def capture_state(name: str, obj: Any) -> Any:
@@ -92,6 +108,10 @@ def capture_state(name: str, obj: Any) -> Any:
         return _logical(obj)
     if isinstance(obj, (bool, int, float, str)) or obj is None:
         return obj
+    if _is_ps_optimizer(obj):
+        from distribute.coordinator._variables import optimizer_state
+
+        return optimizer_state(obj)  # its state lives on the ps tasks
     state_dict = getattr(obj, "state_dict", None)
     if callable(state_dict) and callable(getattr(obj, "load_state_dict", None)):
         return state_dict()
@@ -112,6 +132,11 @@ def apply_state(name: str, obj: Any, state: Any) -> Any:
         return obj
     if isinstance(obj, (bool, int, float, str)) or obj is None:
         return state
+    if _is_ps_optimizer(obj):
+        from distribute.coordinator._variables import load_optimizer_state
+
+        load_optimizer_state(obj, state)
+        return obj
     obj.load_state_dict(state)
     return obj
 

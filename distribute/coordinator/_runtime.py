@@ -300,11 +300,7 @@ def ps_apply(
     """
     store = current().store
     with store.lock:
-        optimizer = store.optimizers.get(key)
-        if optimizer is None:
-            params = [{**g, "params": [store.variables[i] for i in g["params"]]} for g in groups]
-            optimizer = optimizer_cls(params)  # type: ignore[call-arg]  # subclasses take params first
-            store.optimizers[key] = optimizer
+        optimizer = _ps_optimizer(store, key, optimizer_cls, groups)
         for group, sent in zip(optimizer.param_groups, groups):
             group.update({k: v for k, v in sent.items() if k != "params"})
         for var_id, var in ((i, store.variables[i]) for g in groups for i in g["params"]):
@@ -319,6 +315,55 @@ def ps_apply(
         for g in optimizer.param_groups:
             for p in g["params"]:
                 p.grad = None
+
+
+def _ps_optimizer(
+    store: _Store,
+    key: tuple[Any, ...],
+    optimizer_cls: type[torch.optim.Optimizer],
+    groups: list[dict[str, Any]],
+) -> torch.optim.Optimizer:
+    """The ps's optimizer `key` over its variables of ``groups`` (made at first use)."""
+    optimizer = store.optimizers.get(key)
+    if optimizer is None:
+        params = [{**g, "params": [store.variables[i] for i in g["params"]]} for g in groups]
+        optimizer = optimizer_cls(params)  # type: ignore[call-arg]  # subclasses take params first
+        store.optimizers[key] = optimizer
+    return optimizer
+
+
+def ps_optimizer_state(key: tuple[Any, ...]) -> dict[int, dict[str, Any]]:
+    """The state (momentum, Adam's moments, step) of this ps's optimizer `key`, by
+    variable id; empty before its first step."""
+    store = current().store
+    with store.lock:
+        optimizer = store.optimizers.get(key)
+        if optimizer is None:
+            return {}
+        ids = {id(v): i for i, v in store.variables.items()}
+        return {
+            ids[id(param)]: {
+                k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()
+            }
+            for param, state in optimizer.state.items()
+        }
+
+
+def ps_load_optimizer_state(
+    key: tuple[Any, ...],
+    optimizer_cls: type[torch.optim.Optimizer],
+    groups: list[dict[str, Any]],
+    state: dict[int, dict[str, Any]],
+) -> None:
+    """Replaces the state of this ps's optimizer `key` (made if it is not yet)."""
+    store = current().store
+    with store.lock:
+        optimizer = _ps_optimizer(store, key, optimizer_cls, groups)
+        for group, sent in zip(optimizer.param_groups, groups):
+            group.update({k: v for k, v in sent.items() if k != "params"})
+        optimizer.state.clear()
+        for var_id, entry in state.items():
+            optimizer.state[store.variables[var_id]] = dict(entry)
 
 
 # -- functions run on worker tasks -----------------------------------------------------------

@@ -425,47 +425,30 @@ def _push_gradients(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) ->
 
 
 def _send_gradients(optimizer: torch.optim.Optimizer) -> None:
-    groups = optimizer.param_groups
     runtime = _runtime.current()
     dense: dict[str, dict[int, torch.Tensor]] = {}
     sparse: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-    per_task_groups: dict[str, list[dict[str, Any]]] = {}
-    for index, group in enumerate(groups):
-        hyper = {k: v for k, v in group.items() if k != "params"}
+    for group in optimizer.param_groups:
         for p in group["params"]:
             if isinstance(p, ShardedVariable):
-                grads = p._take_gradients()
-                for shard in p.variables:
-                    task = shard.handle.task
-                    _group_for(per_task_groups, task, index, hyper)["params"].append(
-                        shard.handle.var_id
-                    )
-                    if shard.handle.var_id in grads:
-                        sparse.setdefault(task, {})[shard.handle.var_id] = grads[
-                            shard.handle.var_id
-                        ]
-            elif isinstance(p, ParameterServerVariable):
-                task = p.handle.task
-                _group_for(per_task_groups, task, index, hyper)["params"].append(p.handle.var_id)
-                if p.grad is not None:
-                    dense.setdefault(task, {})[p.handle.var_id] = p.grad.detach()
-                    p.grad = None  # the local step finds nothing to apply
-    key_base = (type(optimizer).__module__, type(optimizer).__qualname__)
-    futures = []
-    for task, indexed in per_task_groups.items():
-        task_groups = [{k: v for k, v in g.items() if k != "_index"} for g in indexed]
-        key = (*key_base, tuple(tuple(g["params"]) for g in task_groups))
-        futures.append(
-            (
+                tasks = {shard.handle.var_id: shard.handle.task for shard in p.variables}
+                for var_id, rows in p._take_gradients().items():
+                    sparse.setdefault(tasks[var_id], {})[var_id] = rows
+            elif isinstance(p, ParameterServerVariable) and p.grad is not None:
+                dense.setdefault(p.handle.task, {})[p.handle.var_id] = p.grad.detach()
+                p.grad = None  # the local step finds nothing to apply
+    futures = [
+        (
+            task,
+            runtime.transport.call(
                 task,
-                runtime.transport.call(
-                    task,
-                    _runtime.ps_apply,
-                    (key, type(optimizer), task_groups, dense.get(task, {}), sparse.get(task, {})),
-                    runtime.timeout,
-                ),
-            )
+                _runtime.ps_apply,
+                (key, type(optimizer), groups, dense.get(task, {}), sparse.get(task, {})),
+                runtime.timeout,
+            ),
         )
+        for task, (key, groups) in ps_optimizers(optimizer).items()
+    ]
     for task, future in futures:
         try:
             future.wait()
@@ -475,10 +458,79 @@ def _send_gradients(optimizer: torch.optim.Optimizer) -> None:
             raise runtime.unavailable(task, e) from None
 
 
-def _group_for(
-    per_task: dict[str, list[dict[str, Any]]], task: str, index: int, hyper: dict[str, Any]
-) -> dict[str, Any]:
-    groups = per_task.setdefault(task, [])
+def ps_optimizers(
+    optimizer: torch.optim.Optimizer,
+) -> dict[str, tuple[tuple[Any, ...], list[dict[str, Any]]]]:
+    """Where `optimizer` lives on the ps tasks: for each ps holding some of its
+    variables, the key of its optimizer there and its param groups (the current
+    hyperparameters, with variable ids for params)."""
+    per_task: dict[str, list[dict[str, Any]]] = {}
+    for index, group in enumerate(optimizer.param_groups):
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        for p in group["params"]:
+            shards = p.variables if isinstance(p, ShardedVariable) else [p]
+            for shard in shards:
+                if isinstance(shard, ParameterServerVariable):
+                    task_groups = per_task.setdefault(shard.handle.task, [])
+                    _group_for(task_groups, index, hyper)["params"].append(shard.handle.var_id)
+    base = (type(optimizer).__module__, type(optimizer).__qualname__)
+    placed = {}
+    for task, indexed in per_task.items():
+        groups = [{k: v for k, v in g.items() if k != "_index"} for g in indexed]
+        placed[task] = ((*base, tuple(tuple(g["params"]) for g in groups)), groups)
+    return placed
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """`optimizer.state_dict()` with the state its ps tasks keep (a checkpoint's):
+    a sharded variable's entry is ``{"shards": [state of each shard]}``."""
+    runtime = _runtime.current()
+    by_id: dict[int, dict[str, Any]] = {}
+    for task, (key, _) in ps_optimizers(optimizer).items():
+        by_id.update(runtime.ps_call(task, _runtime.ps_optimizer_state, key))
+    saved = optimizer.state_dict()
+    state: dict[int, Any] = {}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, p in enumerate(params):
+        if isinstance(p, ShardedVariable):
+            shards = [by_id.get(s.handle.var_id, {}) for s in p.variables]
+            if any(shards):
+                state[index] = {"shards": shards}
+        elif isinstance(p, ParameterServerVariable) and p.handle.var_id in by_id:
+            state[index] = by_id[p.handle.var_id]
+    saved["state"] = state
+    return saved
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """Puts `optimizer_state`'s result back: hyperparameters here, state on the ps."""
+    optimizer.load_state_dict({**saved, "state": {}})
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    by_id: dict[int, dict[str, Any]] = {}
+    for index, entry in saved["state"].items():
+        p = params[int(index)]
+        if isinstance(p, ShardedVariable):
+            for shard, shard_state in zip(p.variables, entry["shards"]):
+                if shard_state:
+                    by_id[shard.handle.var_id] = shard_state
+        elif isinstance(p, ParameterServerVariable):
+            by_id[p.handle.var_id] = entry
+    runtime = _runtime.current()
+    for task, (key, groups) in ps_optimizers(optimizer).items():
+        mine = {i: s for g in groups for i in g["params"] if (s := by_id.get(i)) is not None}
+        runtime.ps_call(task, _runtime.ps_load_optimizer_state, key, type(optimizer), groups, mine)
+
+
+def is_ps_optimizer(obj: Any) -> bool:
+    """Whether `obj` is an optimizer of parameter-server variables."""
+    return isinstance(obj, torch.optim.Optimizer) and any(
+        isinstance(p, (ParameterServerVariable, ShardedVariable))
+        for g in obj.param_groups
+        for p in g["params"]
+    )
+
+
+def _group_for(groups: list[dict[str, Any]], index: int, hyper: dict[str, Any]) -> dict[str, Any]:
     for g in groups:
         if g.get("_index") == index:
             return g

@@ -696,6 +696,13 @@ def _padded_lookup(table: Any, optimizer: Any) -> None:
     optimizer.zero_grad()
 
 
+def _adam_step(dense: Any, rows: Any, adam: Any) -> None:
+    loss = dense(torch.tensor([[1.0, 2.0]])).sum() + rows(torch.tensor([1, 3])).pow(2).sum()
+    loss.backward()
+    adam.step()
+    adam.zero_grad()
+
+
 def _resource_count() -> int:
     """Per-worker objects (datasets, iterators) this worker holds."""
     from distribute.coordinator import _runtime
@@ -783,6 +790,30 @@ def case_robustness() -> dict[str, Any]:
                 "table_after_restore": table.weight.read_value().tolist(),
             }
 
+        def optimizer_state() -> dict[str, Any]:
+            import tempfile
+
+            with strategy.scope():
+                dense = torch.nn.Linear(2, 1)
+                rows = torch.nn.Embedding(4, 2)  # sharded in 2
+                adam = torch.optim.Adam([*dense.parameters(), *rows.parameters()], lr=0.1)
+
+            def weights() -> list[Any]:
+                return [p.read_value().tolist() for p in (dense.weight, dense.bias, rows.weight)]
+
+            for _ in range(2):
+                coordinator.schedule(_adam_step, args=(dense, rows, adam)).fetch()
+            path = ds.Checkpoint(dense=dense, rows=rows, adam=adam).save(
+                tempfile.mkdtemp() + "/ckpt"
+            )
+            coordinator.schedule(_adam_step, args=(dense, rows, adam)).fetch()
+            continued = weights()
+            for _ in range(3):  # the state moves on
+                coordinator.schedule(_adam_step, args=(dense, rows, adam)).fetch()
+            ds.Checkpoint(dense=dense, rows=rows, adam=adam).restore(path)
+            coordinator.schedule(_adam_step, args=(dense, rows, adam)).fetch()
+            return {"continued": continued, "resumed": weights()}
+
         def iterators_freed() -> dict[str, Any]:
             import gc
 
@@ -797,6 +828,7 @@ def case_robustness() -> dict[str, Any]:
 
         out["module_inside"] = _attempt(coordinator, module_inside)
         out["iterators_freed"] = _attempt(coordinator, iterators_freed)
+        out["optimizer_state"] = _attempt(coordinator, optimizer_state)
         out["checkpoint"] = _attempt(coordinator, checkpoint)
         out["chief_writes"] = _attempt(coordinator, chief_writes)
         out["learning_rate"] = _attempt(coordinator, learning_rate)

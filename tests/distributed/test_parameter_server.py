@@ -512,6 +512,16 @@ def test_a_checkpoint_restored_on_the_chief_reaches_the_ps(robustness: dict[str,
     assert check["table_after_restore"] == check["saved_table"]  # every shard, on its ps
 
 
+def test_a_checkpoint_keeps_the_optimizer_state_the_ps_tasks_hold(
+    robustness: dict[str, Any],
+) -> None:
+    """Adam over a dense and a sharded variable: 2 steps, save, 1 step (the run to
+    match); 3 more steps, restore, 1 step: the same weights, so the moments and step
+    counts came back from the checkpoint to the ps tasks."""
+    check = _check(robustness, "optimizer_state")
+    assert check["resumed"] == check["continued"]
+
+
 def test_per_worker_iterators_the_chief_dropped_are_freed_on_the_workers(
     robustness: dict[str, Any],
 ) -> None:
