@@ -842,7 +842,20 @@ def case_robustness() -> dict[str, Any]:
         except Exception as e:
             out["after_shutdown"] = {"failure": _error(e)}
         out["exit_codes"] = cluster.wait(30.0)
+    out["next_cluster"] = _attempt(None, _next_cluster)
     return out
+
+
+def _next_cluster() -> dict[str, Any]:
+    """After a shutdown, this process starts another cluster."""
+    start = time.monotonic()
+    with ds.coordinator.LocalCluster(num_workers=1, num_ps=1) as cluster:
+        strategy = ds.ParameterServerStrategy(cluster.resolver, timeout_seconds=30)
+        coordinator = ds.coordinator.ClusterCoordinator(strategy)
+        value = coordinator.schedule(_identity, args=(11,)).fetch()
+        seconds = time.monotonic() - start
+        strategy.shutdown()
+        return {"value": value, "seconds": seconds, "exit_codes": cluster.wait(30.0)}
 
 
 CASES: dict[str, Callable[[], dict[str, Any]]] = {

@@ -512,6 +512,13 @@ def test_a_checkpoint_restored_on_the_chief_reaches_the_ps(robustness: dict[str,
     assert check["table_after_restore"] == check["saved_table"]  # every shard, on its ps
 
 
+def test_after_a_shutdown_the_process_starts_another_cluster(robustness: dict[str, Any]) -> None:
+    check = _check(robustness, "next_cluster")
+    assert check["value"] == 11
+    assert check["seconds"] < 30.0, check["seconds"]
+    assert check["exit_codes"] == {"ps_0": 0, "worker_0": 0}
+
+
 def test_a_checkpoint_keeps_the_optimizer_state_the_ps_tasks_hold(
     robustness: dict[str, Any],
 ) -> None:
