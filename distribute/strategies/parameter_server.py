@@ -141,6 +141,7 @@ def start_task(runtime: _runtime.Runtime, connect: Callable[[], tuple[Any, Any]]
             "one process is one task: call shutdown() on its strategy (or let its Server "
             "return) before starting another"
         )
+    _warm_up_optimizers()
     _runtime.install(runtime)
     try:
         transport, store = connect()
@@ -150,6 +151,15 @@ def start_task(runtime: _runtime.Runtime, connect: Callable[[], tuple[Any, Any]]
         raise
     runtime.transport = transport
     return store
+
+
+def _warm_up_optimizers() -> None:
+    """Pays, as the task starts, for what the first torch optimizer of a process
+    imports (torch._dynamo: a second, several on a busy machine). Paid in a worker's
+    first closure, it made that step's gradient arrive after every other worker's
+    steps of a short run, so a gradient of the initial weights was the last update
+    applied; paid in a ps's first update, it held the ps's lock."""
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0).zero_grad()
 
 
 class _ParameterServerExtended(ReplicatedExtended):

@@ -97,6 +97,11 @@ def _boom(message: str) -> None:
     raise ValueError(message)
 
 
+def _dynamo_imported() -> bool:
+    """Whether what a process's first optimizer imports is loaded on this worker."""
+    return "torch._dynamo" in sys.modules
+
+
 def _next_batch(iterator: Iterator[torch.Tensor]) -> list[int]:
     return [int(x) for x in next(iterator)]
 
@@ -346,13 +351,11 @@ def check_min_size_partitioner(strategy: Any) -> dict[str, Any]:
     }
 
 
-class _ProcessOfAnotherCluster:
-    """A ``serve`` process whose TF_CONFIG has one worker more than `cluster` but the
-    same chief address; it runs beside the checks (its start is mostly imports)."""
+class _TaskProcess:
+    """A ``serve`` process for `task` of the cluster `spec`; it runs beside the
+    checks (its start is mostly imports)."""
 
-    def __init__(self, cluster: Any, task: dict[str, Any]) -> None:
-        spec = json.loads(json.dumps(cluster.spec))
-        spec["worker"].append(f"127.0.0.1:{free_ports(1)[0]}")
+    def __init__(self, spec: dict[str, Any], task: dict[str, Any]) -> None:
         self.task = task
         env = {
             **os.environ,
@@ -382,6 +385,24 @@ class _ProcessOfAnotherCluster:
             "seconds": time.monotonic() - self._start,
             "stderr_tail": stderr[-1500:],
         }
+
+
+def _of_another_cluster(cluster: Any, task: dict[str, Any]) -> _TaskProcess:
+    """`task` of a cluster with one worker more than `cluster`, the same chief."""
+    spec = json.loads(json.dumps(cluster.spec))
+    spec["worker"].append(f"127.0.0.1:{free_ports(1)[0]}")
+    return _TaskProcess(spec, task)
+
+
+def _timed_join(coordinator: Any) -> dict[str, Any]:
+    """How `coordinator.join()` ended (its error, or None) and how long it took."""
+    start = time.monotonic()
+    try:
+        coordinator.join()
+        error = None
+    except Exception as e:
+        error = _error(e)
+    return {"join": error, "seconds": time.monotonic() - start}
 
 
 def _listening_addresses(pid: int) -> list[str]:
@@ -423,9 +444,13 @@ def case_one_ps() -> dict[str, Any]:
         strategy = ds.ParameterServerStrategy(cluster.resolver, timeout_seconds=30)
         coordinator = ds.coordinator.ClusterCoordinator(strategy)
         # one worker more, and this process claims ps 0: rank 4, which no task holds
-        intruder = _ProcessOfAnotherCluster(cluster, {"type": "ps", "index": 0})
+        intruder = _of_another_cluster(cluster, {"type": "ps", "index": 0})
         scalars = _scalars(strategy, 2)
         out = {
+            "warm_start": _attempt(
+                coordinator,
+                lambda: {"imported": coordinator.fetch([coordinator.schedule(_dynamo_imported)])},
+            ),
             "listeners": _attempt(None, lambda: check_listeners(cluster)),
             "placement": {"tasks": [v.handle.task for v in scalars]},
             "schedule": _attempt(
@@ -457,7 +482,7 @@ def case_two_ps_sharded() -> dict[str, Any]:
         )
         coordinator = ds.coordinator.ClusterCoordinator(strategy)
         # the extra worker itself: rank 3, which ps_0 holds in this cluster
-        intruder = _ProcessOfAnotherCluster(cluster, {"type": "worker", "index": 2})
+        intruder = _of_another_cluster(cluster, {"type": "worker", "index": 2})
         scalars = _scalars(strategy, 4)
         out = {
             "placement": {"tasks": [v.handle.task for v in scalars]},
@@ -506,17 +531,9 @@ def case_worker_failure() -> dict[str, Any]:
 
         def all_lost() -> dict[str, Any]:
             cluster.kill("worker_0")
-            start = time.monotonic()
             value = coordinator.schedule(_identity, args=(1,))
-            result: dict[str, Any] = {"timeout_seconds": timeout}
-            try:
-                coordinator.join()
-                result["join"] = None
-            except Exception as e:
-                result["join"] = _error(e)
-            result["seconds"] = time.monotonic() - start
-            result["value"] = _fetch_outcome(value)
-            return result
+            joined = _timed_join(coordinator)
+            return {"timeout_seconds": timeout, **joined, "value": _fetch_outcome(value)}
 
         out = {"run": _attempt(coordinator, run), "all_lost": _attempt(None, all_lost)}
         strategy.shutdown()
@@ -532,24 +549,6 @@ def _increment_and_pid(counter: Any, seconds: float) -> int:
     time.sleep(seconds)
     counter.assign_add(1)
     return os.getpid()
-
-
-def _serve(cluster: Any, task: dict[str, Any]) -> subprocess.Popen[str]:
-    """A ``serve`` process of `cluster` for `task` (a second process claiming it)."""
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(ROOT),
-        "TF_CONFIG": json.dumps({"cluster": cluster.spec, "task": task}),
-    }
-    return subprocess.Popen(
-        [sys.executable, "-m", "distribute.coordinator.serve"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
 
 
 def case_worker_restart() -> dict[str, Any]:
@@ -606,14 +605,8 @@ def case_worker_restart() -> dict[str, Any]:
             }
 
         def duplicate() -> dict[str, Any]:
-            proc = _serve(cluster, {"type": "worker", "index": 0})
-            try:
-                _, stderr = proc.communicate(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                _, stderr = proc.communicate()
-            still = coordinator.schedule(_identity, args=(5,)).fetch()
-            return {"returncode": proc.returncode, "stderr_tail": stderr[-1500:], "still": still}
+            outcome = _TaskProcess(cluster.spec, {"type": "worker", "index": 0}).outcome()
+            return {**outcome, "still": coordinator.schedule(_identity, args=(5,)).fetch()}
 
         out = {"run": _attempt(coordinator, run), "duplicate": _attempt(coordinator, duplicate)}
         strategy.shutdown()
@@ -641,18 +634,8 @@ def case_ps_failure() -> dict[str, Any]:
             ]
             values[3].fetch()  # a few have run
             cluster.kill("ps_0")
-            start = time.monotonic()
-            result: dict[str, Any] = {
-                "timeout_seconds": timeout,
-                "counter_task": counter.handle.task,
-            }
-            try:
-                coordinator.join()
-                result["join"] = None
-            except Exception as e:
-                result["join"] = _error(e)
-            result["seconds"] = time.monotonic() - start
-            return result
+            joined = _timed_join(coordinator)
+            return {"timeout_seconds": timeout, "counter_task": counter.handle.task, **joined}
 
         out["run"] = _attempt(None, run)
         strategy.shutdown()
