@@ -115,7 +115,13 @@ class RpcTransport:
             )
         _listen_on(host)
         options = rpc.TensorPipeRpcBackendOptions(
-            rpc_timeout=timeout_seconds, init_method="tcp://unused"
+            rpc_timeout=timeout_seconds,
+            init_method="tcp://unused",
+            # TCP only: TensorPipe's shared-memory transport busy-polls, half a core
+            # per idle process (a 4-worker cluster on 2 cores spun 3.5 of them), and
+            # its multiplexed channel opens 16 more listeners per task.
+            _transports=["uv"],
+            _channels=["basic"],
         )
         # What init_rpc does after its own rendezvous; the store is ours (module doc).
         dist_autograd._init(worker_id)  # type: ignore[attr-defined]  # private, as init_rpc calls it

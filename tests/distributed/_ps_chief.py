@@ -428,6 +428,22 @@ def _listening_addresses(pid: int) -> list[str]:
     return sorted(set(found))
 
 
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def check_idle_cpu(cluster: Any, seconds: float = 2.0) -> dict[str, Any]:
+    """CPU seconds each task of `cluster` used while the cluster sat idle."""
+    pids = {name: p.pid for name, p in cluster.processes.items()}
+    before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
+    time.sleep(seconds)
+    return {
+        "seconds": seconds,
+        "cpu": {name: _cpu_seconds(pid) - before[name] for name, pid in pids.items()},
+    }
+
+
 def check_listeners(cluster: Any) -> dict[str, Any]:
     """Where every task of `cluster` (this chief included) listens."""
     pids = {"chief": os.getpid(), **{name: p.pid for name, p in cluster.processes.items()}}
@@ -452,6 +468,7 @@ def case_one_ps() -> dict[str, Any]:
                 lambda: {"imported": coordinator.fetch([coordinator.schedule(_dynamo_imported)])},
             ),
             "listeners": _attempt(None, lambda: check_listeners(cluster)),
+            "idle_cpu": _attempt(None, lambda: check_idle_cpu(cluster)),
             "placement": {"tasks": [v.handle.task for v in scalars]},
             "schedule": _attempt(
                 coordinator, lambda: check_schedule_join_fetch(coordinator, scalars)

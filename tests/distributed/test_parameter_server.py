@@ -386,6 +386,14 @@ def test_every_task_exits_0_after_a_clean_shutdown(
     assert report["exit_codes"] == expected
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_idle_tasks_do_not_spin(one_ps: dict[str, Any]) -> None:
+    """TensorPipe's shared-memory transport busy-polls: half a core per idle task."""
+    check = _check(one_ps, "idle_cpu")
+    for task, cpu in check["cpu"].items():
+        assert cpu < 0.2 * check["seconds"], (task, cpu)
+
+
 # -- a process of another cluster ---------------------------------------------------------
 
 
