@@ -759,6 +759,16 @@ def case_robustness() -> dict[str, Any]:
             later = coordinator.schedule(_identity, args=(5,)).fetch()
             return {"failure": failure, "later": later}
 
+        def unsendable_argument() -> dict[str, Any]:
+            import threading
+
+            try:
+                coordinator.schedule(_identity, args=(threading.Lock(),))
+                failure = None
+            except Exception as e:
+                failure = _error(e)
+            return {"failure": failure, "later": coordinator.schedule(_identity, args=(6,)).fetch()}
+
         def padding() -> dict[str, Any]:
             before = table.weight.read_value().tolist()
             coordinator.schedule(_padded_lookup, args=(table, table_optimizer)).fetch()
@@ -833,6 +843,7 @@ def case_robustness() -> dict[str, Any]:
         out["chief_writes"] = _attempt(coordinator, chief_writes)
         out["learning_rate"] = _attempt(coordinator, learning_rate)
         out["unsendable_result"] = _attempt(coordinator, unsendable_result)
+        out["unsendable_argument"] = _attempt(coordinator, unsendable_argument)
         out["padding"] = _attempt(coordinator, padding)
         out["second_strategy"] = _attempt(coordinator, second_strategy)
         strategy.shutdown()

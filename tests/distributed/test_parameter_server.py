@@ -502,6 +502,16 @@ def test_an_unsendable_result_fails_its_closure_and_keeps_the_workers(
     assert check["later"] == 5
 
 
+def test_an_unsendable_argument_is_refused_by_schedule_and_the_queue_goes_on(
+    robustness: dict[str, Any],
+) -> None:
+    check = _check(robustness, "unsendable_argument")
+    assert check["failure"] is not None, "schedule() took a lock as an argument"
+    assert "InvalidArgumentError" in check["failure"]["mro"]
+    assert "cannot send the arguments" in check["failure"]["message"]
+    assert check["later"] == 6
+
+
 def test_a_sharded_lookup_leaves_the_padding_row_alone(robustness: dict[str, Any]) -> None:
     check = _check(robustness, "padding")
     assert check["after"][0] == check["before"][0]  # padding_idx=0: no gradient
