@@ -44,6 +44,7 @@ from __future__ import annotations
 import collections
 import datetime
 import errno
+import ipaddress
 import logging
 import socket
 import threading
@@ -354,6 +355,14 @@ def _listen(host: str, port: int) -> int | None:
     Raises:
         OSError: the port is taken.
     """
+    if loopback_alias(host):
+        logger.warning(
+            "%s names this machine but resolves to a loopback address here (as /etc/hosts "
+            "often maps the hostname); the rendezvous store listens on every interface so "
+            "that other machines reach it",
+            host,
+        )
+        return None
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     try:
@@ -372,6 +381,27 @@ def _listen(host: str, port: int) -> int | None:
         return None
     sock.listen(1024)
     return sock.detach()
+
+
+def loopback_alias(host: str) -> bool:
+    """Whether `host` is a name (not an address, not ``localhost``) that resolves to
+    a loopback address here: Debian's /etc/hosts maps the hostname to 127.0.1.1,
+    while other machines reach that name at the host's network address, so a
+    listener bound to its resolution would shut them out."""
+    if host == "localhost" or host.startswith("localhost."):
+        return False
+    try:
+        ipaddress.ip_address(host)
+        return False  # an address: bind it
+    except ValueError:
+        pass
+    try:
+        return any(
+            ipaddress.ip_address(info[4][0]).is_loopback
+            for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        )
+    except (OSError, ValueError):
+        return False
 
 
 def _accepts(host: str, port: int) -> bool:

@@ -238,6 +238,9 @@ class ClusterCoordinator:
         self._resources: dict[str, tuple[bytes | None, str | None]] = {}
         self._resources_lock = threading.Lock()  # creation vs. a rejoining worker
         self._all_lost: threading.Timer | None = None
+        # Bumped when a worker's process is replaced: a call to the old process
+        # that ends later is stale, and says nothing about the new one.
+        self._generation = dict.fromkeys(self._workers, 0)
 
     # -- the public surface ---------------------------------------------------------
 
@@ -276,6 +279,7 @@ class ClusterCoordinator:
             closure.args_blob = _pickled_arguments(args, kwargs)
         with self._cond:
             self._queue.append(closure)
+        self._arm_all_lost(None)
         self._pump()
         return closure.result
 
@@ -425,30 +429,43 @@ class ClusterCoordinator:
             )
 
     def _lose(self, worker: str) -> None:
-        """Drops `worker` (dead); with none left, the queue fails unless one comes
-        back within the timeout."""
+        """Drops `worker` (dead); with none left, queued closures fail unless one
+        comes back within the timeout."""
         with self._cond:
             if worker not in self._alive:
                 return
             self._alive.discard(worker)
             if worker in self._idle:
                 self._idle.remove(worker)
-            if self._alive or self._all_lost is not None:
+        self._arm_all_lost(worker)
+
+    def _replaced(self, worker: str) -> None:
+        """`worker`'s process died and a new one is joining (NOTE [worker
+        restarts]): calls still out to the old one are stale."""
+        with self._cond:
+            self._generation[worker] += 1
+        self._lose(worker)
+
+    def _arm_all_lost(self, last: str | None) -> None:
+        """With no worker alive, starts the wait for one to come back."""
+        with self._cond:
+            if self._alive or self._all_lost is not None or self._stopping:
                 return
             timer = self._all_lost = threading.Timer(
-                self._runtime.timeout, self._none_came_back, args=(worker,)
+                self._runtime.timeout, self._none_came_back, args=(last,)
             )
         timer.daemon = True
         timer.start()
 
-    def _none_came_back(self, last: str) -> None:
+    def _none_came_back(self, last: str | None) -> None:
         with self._cond:
             self._all_lost = None
-            if self._alive:
-                return
+            if self._alive or not (self._queue or self._inflight):
+                return  # a worker is back, or nothing waits for one
+        which = f" (the last was {last})" if last else ""
         self._fail(
             WorkerLostError(
-                f"every worker is gone (the last was {last}) and none came back within "
+                f"every worker is gone{which} and none came back within "
                 f"{self._runtime.timeout:.0f} s; restart workers (ds.Server with their "
                 "TF_CONFIG): they rejoin the running cluster"
             )
@@ -458,6 +475,7 @@ class ClusterCoordinator:
         """`worker`'s restarted process joined: rebuilds on it the per-worker objects
         the chief holds (iterators start over), then sends it closures."""
         runtime = self._runtime
+        generation = self._generation[worker]
         with self._resources_lock:
             for key, (blob, source) in self._resources.items():
                 try:
@@ -478,6 +496,8 @@ class ClusterCoordinator:
                     )
                     return
             with self._cond:
+                if self._generation[worker] != generation:
+                    return  # replaced again while this one was being set up
                 self._sent[worker] = set()
                 self._alive.add(worker)
                 if worker not in self._idle:
@@ -521,20 +541,25 @@ class ClusterCoordinator:
         blob = None if closure.key in self._sent[worker] else closure.blob
         self._sent[worker].add(closure.key)
         runtime = self._runtime
+        generation = self._generation[worker]
         try:
             future = runtime.transport.call(
                 worker, _runtime.worker_run, (closure.key, blob, args_blob), runtime.timeout
             )
         except Exception:
-            self._requeue(worker, closure)
+            self._requeue(worker, closure, lost=True)
             return
-        future.add_done_callback(lambda f: self._on_done(worker, closure, f))
+        future.add_done_callback(lambda f: self._on_done(worker, generation, closure, f))
 
-    def _on_done(self, worker: str, closure: _Closure, future: Any) -> None:
+    def _on_done(self, worker: str, generation: int, closure: _Closure, future: Any) -> None:
         """A closure's call ended (in the transport's thread)."""
+        current = self._generation[worker] == generation
         try:
             result = future.value()
         except Exception as e:
+            if not current:  # the old process of a replaced worker: run it elsewhere
+                self._requeue(worker, closure, lost=False)
+                return
             # Not in the transport's thread: asking the worker whether it is alive
             # waits for another call, which that thread may be needed to receive.
             threading.Thread(
@@ -542,15 +567,15 @@ class ClusterCoordinator:
             ).start()
             return
         if isinstance(result, _runtime.ClosureFailure):
-            self._closure_failed(worker, closure, result.error)
+            self._closure_failed(worker, closure, result.error, idle=current)
             return
         try:
             value = cloudpickle.loads(result)
         except Exception as e:
-            self._closure_failed(worker, closure, e)
+            self._closure_failed(worker, closure, e, idle=current)
             return
         closure.result._set(value=value)
-        self._finish(worker, idle=True)
+        self._finish(worker, idle=current)
         self._pump()
 
     def _call_failed(self, worker: str, closure: _Closure, e: BaseException) -> None:
@@ -559,8 +584,8 @@ class ClusterCoordinator:
         if self._stopping:
             self._closure_failed(worker, closure, ClosureCancelledError(_SHUT_DOWN))
             return
-        if not self._answers(worker):
-            self._requeue(worker, closure)
+        if not self._runtime.answers(worker):
+            self._requeue(worker, closure, lost=True)
             return
         self._closure_failed(
             worker,
@@ -572,24 +597,23 @@ class ClusterCoordinator:
             ),
         )
 
-    def _closure_failed(self, worker: str, closure: _Closure, error: BaseException) -> None:
+    def _closure_failed(
+        self, worker: str, closure: _Closure, error: BaseException, *, idle: bool = True
+    ) -> None:
         self._fail(error)  # first: join() and done() must see it
         closure.result._set(error=error)
-        self._finish(worker, idle=True)
+        self._finish(worker, idle=idle)
 
-    def _answers(self, worker: str) -> bool:
-        try:
-            self._runtime.transport.call(worker, _runtime.worker_ping, (), 5.0).wait()
-            return True
-        except Exception:
-            return False
-
-    def _requeue(self, worker: str, closure: _Closure) -> None:
+    def _requeue(self, worker: str, closure: _Closure, *, lost: bool) -> None:
+        """Puts `closure` back at the front of the queue; `lost`: its worker died
+        (else the call went to a replaced worker's old process)."""
         with self._cond:
             self._queue.appendleft(closure)
-        self._sent[worker].clear()
+        if lost:
+            self._sent[worker].clear()
         self._finish(worker, idle=False)
-        self._lose(worker)
+        if lost:
+            self._lose(worker)
         self._pump()
 
     def _finish(self, worker: str, *, idle: bool) -> None:

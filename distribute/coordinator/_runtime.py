@@ -150,6 +150,14 @@ class Runtime:
             getattr(strategy, "_writes_through", False) and context.get_replica_context() is None
         )
 
+    def answers(self, task: str, timeout: float = 5.0) -> bool:
+        """Whether `task` answers a ping within `timeout` seconds."""
+        try:
+            self.transport.call(task, worker_ping, (), timeout).wait()
+            return True
+        except Exception:
+            return False
+
     # -- talking to ps tasks --------------------------------------------------------
 
     def ps_call(self, task: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -363,7 +371,17 @@ def ps_load_optimizer_state(
             group.update({k: v for k, v in sent.items() if k != "params"})
         optimizer.state.clear()
         for var_id, entry in state.items():
-            optimizer.state[store.variables[var_id]] = dict(entry)
+            var = store.variables[var_id]
+            optimizer.state[var] = {k: _like(var, k, v) for k, v in entry.items()}
+
+
+def _like(var: torch.Tensor, name: str, value: Any) -> Any:
+    """A saved optimizer state value as the ps variable `var` needs it: floating
+    tensors in its dtype (``step`` stays as saved), as torch's `load_state_dict`
+    casts them."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and name != "step":
+        return value.to(dtype=var.dtype, device=var.device)
+    return value
 
 
 # -- functions run on worker tasks -----------------------------------------------------------

@@ -153,12 +153,14 @@ class RpcTransport:
         return future
 
     def forget(self, task: str) -> None:
-        """Drops dead `task` from rpc's member list, so that processes joining later
-        (its restarted process among them) do not wait for it."""
-        dead = _rpc_names.get(task, task)
+        """Drops dead `task` from rpc's member list, every process it ran as (one
+        may have died before its new name reached this task), so that processes
+        joining later (its restarted process among them) do not call it."""
         with self._membership_token():
             members = self._store.get(_MEMBERS_KEY).decode()
-            kept = [m for m in members.split(",") if m and m.rsplit("-", 1)[0] != dead]
+            kept = [
+                m for m in members.split(",") if m and m.rsplit("-", 1)[0].split(":")[0] != task
+            ]
             self._store.set(_MEMBERS_KEY, "".join(f"{m}," for m in kept))
 
     def shutdown(self) -> None:
@@ -168,6 +170,7 @@ class RpcTransport:
         import torch.distributed.rpc as rpc
 
         rpc.shutdown(graceful=False)
+        _rpc_names.clear()  # a next cluster in this process starts with first names
 
     # -- internals ------------------------------------------------------------------
 
@@ -191,25 +194,35 @@ class RpcTransport:
         import torch.distributed.rpc as rpc
 
         futures = [
-            rpc.rpc_async(info.name, _renamed, args=(self._name, self._rpc_name))
+            (info.name, rpc.rpc_async(info.name, _renamed, args=(self._name, self._rpc_name)))
             for info in rpc._get_current_rpc_agent().get_worker_infos()  # type: ignore[attr-defined]  # private
             if info.name != self._rpc_name
         ]
-        for future in futures:
-            future.wait()
+        for member, future in futures:
+            try:
+                future.wait()
+            except RuntimeError as e:  # a member that died since: nothing to tell it
+                logger.warning(
+                    "%s: %s did not hear this task's new name: %s", self._name, member, e
+                )
         _renamed(self._name, self._rpc_name)
 
     @contextlib.contextmanager
     def _membership_token(self) -> Iterator[None]:
         """Holds rpc's membership token (rpc's joins and leaves hold it too)."""
         mine = f"Token_for_{self._rpc_name}_forget_{uuid.uuid4().hex}"
-        deadline = time.monotonic() + self._timeout
-        while self._store.compare_set(_TOKEN_KEY, "", mine).decode() != mine:
-            if time.monotonic() > deadline:
-                raise CollectiveTimeoutError(
-                    f"{self._name}: rpc's membership token was held for {self._timeout:.0f} s "
-                    "(a task died while joining?)"
-                )
+        expected, seen, since = "", "", time.monotonic()
+        while (holder := self._store.compare_set(_TOKEN_KEY, expected, mine).decode()) != mine:
+            expected = ""
+            if holder != seen:
+                seen, since = holder, time.monotonic()
+            elif holder and time.monotonic() - since > self._timeout:
+                # rpc leaves its token held when a join fails (a member it called
+                # had died); one holder for this long is gone: take it over
+                logger.warning("%s: taking over rpc's membership token from %s", self._name, holder)
+                self._store.set(holder, "Done")
+                expected = holder
+                continue
             time.sleep(0.01)
         try:
             yield
@@ -242,6 +255,15 @@ def _listen_on(host: str) -> None:
     the machine's hostname resolves to). A ``TP_SOCKET_IFNAME`` already set wins;
     a `host` no interface here has (a NAT'ed address) is logged and left alone."""
     if os.environ.get("TP_SOCKET_IFNAME"):
+        return
+    from distribute.collectives._rendezvous import loopback_alias
+
+    if loopback_alias(host):
+        logger.warning(
+            "%s names this machine but resolves to a loopback address here; rpc listens "
+            "where TensorPipe picks (set TP_SOCKET_IFNAME to choose)",
+            host,
+        )
         return
     interface = interface_of(host)
     if interface is None:

@@ -488,32 +488,52 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     by_id: dict[int, dict[str, Any]] = {}
     for task, (key, _) in ps_optimizers(optimizer).items():
         by_id.update(runtime.ps_call(task, _runtime.ps_optimizer_state, key))
-    saved = optimizer.state_dict()
-    state: dict[int, Any] = {}
+    saved = optimizer.state_dict()  # hyperparameters, and any local param's state
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for index, p in enumerate(params):
         if isinstance(p, ShardedVariable):
             shards = [by_id.get(s.handle.var_id, {}) for s in p.variables]
             if any(shards):
-                state[index] = {"shards": shards}
+                saved["state"][index] = {"shards": shards}
         elif isinstance(p, ParameterServerVariable) and p.handle.var_id in by_id:
-            state[index] = by_id[p.handle.var_id]
-    saved["state"] = state
+            saved["state"][index] = by_id[p.handle.var_id]
     return saved
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
-    """Puts `optimizer_state`'s result back: hyperparameters here, state on the ps."""
-    optimizer.load_state_dict({**saved, "state": {}})
+    """Puts `optimizer_state`'s result back: hyperparameters and local params' state
+    here, the ps variables' state on their ps.
+
+    Raises:
+        InvalidArgumentError: a variable saved sharded is not now, or is sharded
+            differently (or the other way round).
+    """
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    on_ps = (ParameterServerVariable, ShardedVariable)
+    local = {i: e for i, e in saved["state"].items() if not isinstance(params[int(i)], on_ps)}
+    optimizer.load_state_dict({**saved, "state": local})
     by_id: dict[int, dict[str, Any]] = {}
     for index, entry in saved["state"].items():
         p = params[int(index)]
+        was_sharded = isinstance(entry, dict) and "shards" in entry
         if isinstance(p, ShardedVariable):
+            if not was_sharded or len(entry["shards"]) != len(p.variables):
+                saved_as = f"{len(entry['shards'])} shards" if was_sharded else "one variable"
+                raise InvalidArgumentError(
+                    f"the optimizer's parameter {index} was saved as {saved_as} but is now "
+                    f"{len(p.variables)} shards: restore with the variable_partitioner it "
+                    "was saved with"
+                )
             for shard, shard_state in zip(p.variables, entry["shards"]):
                 if shard_state:
                     by_id[shard.handle.var_id] = shard_state
         elif isinstance(p, ParameterServerVariable):
+            if was_sharded:
+                raise InvalidArgumentError(
+                    f"the optimizer's parameter {index} was saved as "
+                    f"{len(entry['shards'])} shards but is now one variable: restore with "
+                    "the variable_partitioner it was saved with"
+                )
             by_id[p.handle.var_id] = entry
     runtime = _runtime.current()
     for task, (key, groups) in ps_optimizers(optimizer).items():

@@ -453,28 +453,40 @@ class ParameterServerStrategy(Strategy):
         """Answers the restarted workers asking for their task (NOTE [worker
         restarts]): a dead holder is forgotten and its rank released; a live one
         means two processes claim the task, and the newcomer is refused."""
-        store, runtime = self._store, self._runtime
         for worker in self._cluster.workers:
             rank = self._cluster.rank(worker)
-            if not store.check([f"rejoin/{rank}"]):
+            if not self._store.check([f"rejoin/{rank}"]):
                 continue
-            process = store.get(f"rejoin/{rank}").decode()
-            store.delete_key(f"rejoin/{rank}")
-            if _answers(runtime, worker):
-                store.set(
-                    f"refused/{process}",
-                    f"{worker} is alive, so two processes claim it (check TF_CONFIG's task "
-                    "index); a restarted worker takes over once the old process is gone",
+            process = self._store.get(f"rejoin/{rank}").decode()
+            try:
+                self._answer_rejoin(worker, rank, process)
+            except Exception as e:  # the newcomer hears why, instead of timing out
+                logger.exception("answering %s's restarted process failed", worker)
+                self._store.set(
+                    f"refused/{process}", f"the chief could not take {worker} back: {e}"
                 )
-                continue
-            # Every dead worker is forgotten: a joining process calls every member.
-            for other in self._cluster.workers:
-                if other == worker or not _answers(runtime, other):
-                    runtime.transport.forget(other)
-                    if self._coordinator is not None:
-                        self._coordinator._lose(other)
-            store.delete_key(f"owner/{rank}")
-            logger.info("%s was restarted; it rejoins the cluster", worker)
+            finally:
+                self._store.delete_key(f"rejoin/{rank}")
+
+    def _answer_rejoin(self, worker: str, rank: int, process: str) -> None:
+        runtime = self._runtime
+        # The old process has the whole timeout to answer (a dead one fails at once).
+        if runtime.answers(worker, self._timeout):
+            self._store.set(
+                f"refused/{process}",
+                f"{worker} is alive, so two processes claim it (check TF_CONFIG's task "
+                "index); a restarted worker takes over once the old process is gone",
+            )
+            return
+        if self._coordinator is not None:
+            self._coordinator._replaced(worker)
+        # A joining process calls every member of rpc's list: every dead worker
+        # leaves it (the coordinator finds the others dead by its own calls).
+        for other in self._cluster.workers:
+            if other == worker or not runtime.answers(other):
+                runtime.transport.forget(other)
+        self._store.delete_key(f"owner/{rank}")
+        logger.info("%s was restarted; it rejoins the cluster", worker)
 
     def _worker_rejoined(self, worker: str) -> None:
         """`worker`'s restarted process has joined: the coordinator takes it back."""
@@ -493,6 +505,7 @@ class ParameterServerStrategy(Strategy):
             self._coordinator._stop()
         runtime = self._runtime
         leave_cluster(runtime, [*self._cluster.workers, *self._cluster.ps], _runtime.stop_task)
+        self._store = None  # the rendezvous store's port is free again
 
     def __repr__(self) -> str:
         return (
@@ -549,15 +562,6 @@ def _watch_rejoins(ref: weakref.ref[ParameterServerStrategy]) -> None:
 
 
 _REJOIN_POLL_SECONDS = 0.5
-
-
-def _answers(runtime: _runtime.Runtime, task: str) -> bool:
-    """Whether `task` answers a ping within 5 s."""
-    try:
-        runtime.transport.call(task, _runtime.worker_ping, (), 5.0).wait()
-        return True
-    except Exception:
-        return False
 
 
 def shutdown_at_exit(ref: weakref.ref[Any]) -> None:
@@ -644,7 +648,7 @@ class Server:
                 if self._cluster.has_chief
                 else sorted(runtime.expected_workers - runtime.workers_done)
             )
-            if any(self._answers(name) for name in watched):
+            if any(runtime.answers(name) for name in watched):
                 misses = 0
                 continue
             misses += 1
@@ -658,6 +662,3 @@ class Server:
         time.sleep(0.1)  # lets the last stop call return before the endpoint closes
         runtime.transport.shutdown()
         _runtime.install(None)
-
-    def _answers(self, task: str) -> bool:
-        return _answers(self._runtime, task)

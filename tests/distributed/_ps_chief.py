@@ -552,7 +552,18 @@ def case_worker_failure() -> dict[str, Any]:
             joined = _timed_join(coordinator)
             return {"timeout_seconds": timeout, **joined, "value": _fetch_outcome(value)}
 
-        out = {"run": _attempt(coordinator, run), "all_lost": _attempt(None, all_lost)}
+        def back_after_all_lost() -> dict[str, Any]:
+            start = time.monotonic()
+            cluster.restart("worker_0")
+            # nothing was queued when the wait for a worker ran out: no error is left
+            value = coordinator.schedule(_identity, args=(9,)).fetch()
+            return {"value": value, "seconds": time.monotonic() - start}
+
+        out = {
+            "run": _attempt(coordinator, run),
+            "all_lost": _attempt(None, all_lost),
+            "back_after_all_lost": _attempt(coordinator, back_after_all_lost),
+        }
         strategy.shutdown()
         out["exit_codes"] = cluster.wait(30.0)
     return out
@@ -628,6 +639,8 @@ def case_worker_restart() -> dict[str, Any]:
         out = {"run": _attempt(coordinator, run), "duplicate": _attempt(coordinator, duplicate)}
         strategy.shutdown()
         out["exit_codes"] = cluster.wait(30.0)
+    # worker_1 was worker_1:1 to rpc there; the next cluster's worker_1 is worker_1
+    out["next_cluster"] = _attempt(None, lambda: _next_cluster(num_workers=2))
     return out
 
 
@@ -857,16 +870,32 @@ def case_robustness() -> dict[str, Any]:
     return out
 
 
-def _next_cluster() -> dict[str, Any]:
-    """After a shutdown, this process starts another cluster."""
+def _next_cluster(num_workers: int = 1) -> dict[str, Any]:
+    """After a shutdown, this process starts another cluster; which processes ran
+    its closures."""
     start = time.monotonic()
-    with ds.coordinator.LocalCluster(num_workers=1, num_ps=1) as cluster:
+    with ds.coordinator.LocalCluster(num_workers=num_workers, num_ps=1) as cluster:
         strategy = ds.ParameterServerStrategy(cluster.resolver, timeout_seconds=30)
         coordinator = ds.coordinator.ClusterCoordinator(strategy)
         value = coordinator.schedule(_identity, args=(11,)).fetch()
         seconds = time.monotonic() - start
+        pids = [coordinator.schedule(_sleep_then_pid, args=(0.2,)) for _ in range(3 * num_workers)]
+        ran_on = sorted(set(coordinator.fetch(pids)))
+        workers = sorted(
+            p.pid for name, p in cluster.processes.items() if name.startswith("worker")
+        )
         strategy.shutdown()
-        return {"value": value, "seconds": seconds, "exit_codes": cluster.wait(30.0)}
+        return {
+            "value": value,
+            "seconds": seconds,
+            "ran_on_every_worker": ran_on == workers,
+            "exit_codes": cluster.wait(30.0),
+        }
+
+
+def _sleep_then_pid(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
 
 
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
