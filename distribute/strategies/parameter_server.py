@@ -581,6 +581,10 @@ def _task_strategy() -> ParameterServerStrategy:
 class Server:
     """Runs a ps or worker task of a parameter-server cluster.
 
+    A worker task that died can be started again with the same resolver: it
+    rejoins the running cluster (NOTE [worker restarts]). A ps task cannot: its
+    variables died with it.
+
     Args:
         cluster_resolver: the cluster, with this process's task (`task_type` "ps"
             or "worker", `task_id`).
