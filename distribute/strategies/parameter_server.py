@@ -110,8 +110,9 @@ def _connect(
         timeout,
         cluster=cluster.fingerprint,
         prefix="ps/",
-        # a worker's restarted process takes its place (the chief finds the old dead)
-        rejoin=cluster.has_chief and name in cluster.workers,
+        # a worker's restarted process takes its place (the chief finds the old
+        # dead); a ps's is told why it cannot
+        rejoin=cluster.has_chief and name != "chief",
     )
     host, _ = split_host_port(str(cluster.addresses[name]), where=f"the address of {name}")
     transport = RpcTransport.start(
@@ -450,10 +451,11 @@ class ParameterServerStrategy(Strategy):
     # -- workers that come back -------------------------------------------------------
 
     def _admit_rejoins(self) -> None:
-        """Answers the restarted workers asking for their task (NOTE [worker
-        restarts]): a dead holder is forgotten and its rank released; a live one
-        means two processes claim the task, and the newcomer is refused."""
-        for worker in self._cluster.workers:
+        """Answers the restarted tasks asking for their task (NOTE [worker
+        restarts]): a dead worker is forgotten and its rank released; a live one
+        means two processes claim the task, and the newcomer is refused, as is a
+        restarted ps (its variables died with the old process)."""
+        for worker in [*self._cluster.workers, *self._cluster.ps]:
             rank = self._cluster.rank(worker)
             if not self._store.check([f"rejoin/{rank}"]):
                 continue
@@ -476,6 +478,14 @@ class ParameterServerStrategy(Strategy):
                 f"refused/{process}",
                 f"{worker} is alive, so two processes claim it (check TF_CONFIG's task "
                 "index); a restarted worker takes over once the old process is gone",
+            )
+            return
+        if worker in self._cluster.ps:
+            self._store.set(
+                f"refused/{process}",
+                f"{worker} died, and a ps task cannot rejoin a running cluster: its "
+                "variables died with it. Restart the whole cluster and restore the last "
+                "checkpoint",
             )
             return
         if self._coordinator is not None:

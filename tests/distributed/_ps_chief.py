@@ -667,7 +667,11 @@ def case_ps_failure() -> dict[str, Any]:
             joined = _timed_join(coordinator)
             return {"timeout_seconds": timeout, "counter_task": counter.handle.task, **joined}
 
+        def ps_restarted() -> dict[str, Any]:
+            return _TaskProcess(cluster.spec, {"type": "ps", "index": 0}).outcome()
+
         out["run"] = _attempt(None, run)
+        out["ps_restarted"] = _attempt(None, ps_restarted)
         strategy.shutdown()
         out["exit_codes"] = cluster.wait(30.0)
     return out

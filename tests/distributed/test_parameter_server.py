@@ -396,6 +396,15 @@ def test_a_killed_ps_is_named_by_the_next_join_within_the_timeout(
     assert codes == {"ps_1": 0, "worker_0": 0, "worker_1": 0}
 
 
+def test_a_restarted_ps_is_refused_saying_to_restart_from_a_checkpoint(
+    ps_failure: dict[str, Any],
+) -> None:
+    check = _check(ps_failure, "ps_restarted")
+    assert check["returncode"] not in (0, None), check
+    assert "ps_0 died, and a ps task cannot rejoin" in check["stderr_tail"]
+    assert "checkpoint" in check["stderr_tail"]
+
+
 def test_every_task_exits_0_after_a_clean_shutdown(
     any_cluster: tuple[int, dict[str, Any]],
 ) -> None:
