@@ -839,7 +839,18 @@ def case_robustness() -> dict[str, Any]:
                 coordinator.schedule(_adam_step, args=(dense, rows, adam)).fetch()
             ds.Checkpoint(dense=dense, rows=rows, adam=adam).restore(path)
             coordinator.schedule(_adam_step, args=(dense, rows, adam)).fetch()
-            return {"continued": continued, "resumed": weights()}
+            # the same model with the table whole (colocated: not sharded)
+            with strategy.scope():
+                dense_again = torch.nn.Linear(2, 1)
+                with strategy.extended.colocate_vars_with(dense_again.weight):
+                    whole = torch.nn.Embedding(4, 2)
+                adam_again = torch.optim.Adam([*dense_again.parameters(), *whole.parameters()])
+            try:
+                ds.Checkpoint(dense=dense_again, rows=whole, adam=adam_again).restore(path)
+                other_sharding = None
+            except Exception as e:
+                other_sharding = _error(e)
+            return {"continued": continued, "resumed": weights(), "other_sharding": other_sharding}
 
         def iterators_freed() -> dict[str, Any]:
             import gc

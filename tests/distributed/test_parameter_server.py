@@ -583,6 +583,16 @@ def test_a_checkpoint_keeps_the_optimizer_state_the_ps_tasks_hold(
     assert check["resumed"] == check["continued"]
 
 
+def test_optimizer_state_saved_sharded_is_refused_by_a_whole_variable(
+    robustness: dict[str, Any],
+) -> None:
+    error = _check(robustness, "optimizer_state")["other_sharding"]
+    assert error is not None, "state of 2 shards restored into one variable"
+    assert "InvalidArgumentError" in error["mro"]
+    assert "saved as 2 shards but is now one variable" in error["message"]
+    assert "variable_partitioner" in error["message"]
+
+
 def test_per_worker_iterators_the_chief_dropped_are_freed_on_the_workers(
     robustness: dict[str, Any],
 ) -> None:
