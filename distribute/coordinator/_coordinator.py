@@ -563,7 +563,7 @@ class ClusterCoordinator:
             # Not in the transport's thread: asking the worker whether it is alive
             # waits for another call, which that thread may be needed to receive.
             threading.Thread(
-                target=self._call_failed, args=(worker, closure, e), daemon=True
+                target=self._call_failed, args=(worker, generation, closure, e), daemon=True
             ).start()
             return
         if isinstance(result, _runtime.ClosureFailure):
@@ -578,13 +578,21 @@ class ClusterCoordinator:
         self._finish(worker, idle=current)
         self._pump()
 
-    def _call_failed(self, worker: str, closure: _Closure, e: BaseException) -> None:
+    def _call_failed(
+        self, worker: str, generation: int, closure: _Closure, e: BaseException
+    ) -> None:
         """A closure's call failed: its worker died (the closure runs elsewhere), or
         it is alive and the call timed out (the closure fails)."""
         if self._stopping:
             self._closure_failed(worker, closure, ClosureCancelledError(_SHUT_DOWN))
             return
-        if not self._runtime.answers(worker):
+        answers = self._runtime.answers(worker)
+        if self._generation[worker] != generation:
+            # replaced meanwhile: the ping may have reached the new process, and
+            # losing the worker now would drop that one
+            self._requeue(worker, closure, lost=False)
+            return
+        if not answers:
             self._requeue(worker, closure, lost=True)
             return
         self._closure_failed(
