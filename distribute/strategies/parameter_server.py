@@ -455,48 +455,46 @@ class ParameterServerStrategy(Strategy):
         restarts]): a dead worker is forgotten and its rank released; a live one
         means two processes claim the task, and the newcomer is refused, as is a
         restarted ps (its variables died with the old process)."""
-        for worker in [*self._cluster.workers, *self._cluster.ps]:
-            rank = self._cluster.rank(worker)
+        for task in [*self._cluster.workers, *self._cluster.ps]:
+            rank = self._cluster.rank(task)
             if not self._store.check([f"rejoin/{rank}"]):
                 continue
             process = self._store.get(f"rejoin/{rank}").decode()
             try:
-                self._answer_rejoin(worker, rank, process)
+                self._answer_rejoin(task, rank, process)
             except Exception as e:  # the newcomer hears why, instead of timing out
-                logger.exception("answering %s's restarted process failed", worker)
-                self._store.set(
-                    f"refused/{process}", f"the chief could not take {worker} back: {e}"
-                )
+                logger.exception("answering %s's restarted process failed", task)
+                self._store.set(f"refused/{process}", f"the chief could not take {task} back: {e}")
             finally:
                 self._store.delete_key(f"rejoin/{rank}")
 
-    def _answer_rejoin(self, worker: str, rank: int, process: str) -> None:
+    def _answer_rejoin(self, task: str, rank: int, process: str) -> None:
         runtime = self._runtime
         # The old process has the whole timeout to answer (a dead one fails at once).
-        if runtime.answers(worker, self._timeout):
+        if runtime.answers(task, self._timeout):
             self._store.set(
                 f"refused/{process}",
-                f"{worker} is alive, so two processes claim it (check TF_CONFIG's task "
+                f"{task} is alive, so two processes claim it (check TF_CONFIG's task "
                 "index); a restarted worker takes over once the old process is gone",
             )
             return
-        if worker in self._cluster.ps:
+        if task in self._cluster.ps:
             self._store.set(
                 f"refused/{process}",
-                f"{worker} died, and a ps task cannot rejoin a running cluster: its "
+                f"{task} died, and a ps task cannot rejoin a running cluster: its "
                 "variables died with it. Restart the whole cluster and restore the last "
                 "checkpoint",
             )
             return
         if self._coordinator is not None:
-            self._coordinator._replaced(worker)
+            self._coordinator._replaced(task)
         # A joining process calls every member of rpc's list: every dead worker
         # leaves it (the coordinator finds the others dead by its own calls).
         for other in self._cluster.workers:
-            if other == worker or not runtime.answers(other):
+            if other == task or not runtime.answers(other):
                 runtime.transport.forget(other)
         self._store.delete_key(f"owner/{rank}")
-        logger.info("%s was restarted; it rejoins the cluster", worker)
+        logger.info("%s was restarted; it rejoins the cluster", task)
 
     def _worker_rejoined(self, worker: str) -> None:
         """`worker`'s restarted process has joined: the coordinator takes it back."""
