@@ -298,7 +298,7 @@ class MirroredVariable(DistributedVariable):
             )
         if aggregation in (VariableAggregation.SUM, VariableAggregation.MEAN):
             op = ReduceOp.SUM if aggregation is VariableAggregation.SUM else ReduceOp.MEAN
-            value = extended._replica_all_reduce(replica_ctx, op, torch.as_tensor(value))
+            value = extended._replica_reduce_assigned(replica_ctx, op, value)
         elif aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             value = extended._replica_broadcast_first(replica_ctx, torch.as_tensor(value))
         if shared:  # one copy: written once, while every replica waits

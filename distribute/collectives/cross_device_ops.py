@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from distribute._enums import ReduceOp
+from distribute.collectives._shapes import check_matching_shapes
 from distribute.collectives.packing import pack_tensors, split_num_packs, unpack_tensors
 from distribute.errors import CollectiveMismatchError, InvalidArgumentError
 from distribute.values import DistributedValues, Mirrored
@@ -91,6 +92,7 @@ def _reduce_to_one_device(
     op: ReduceOp, value: Any, destinations: Any, reduce_to_device: torch.device | None
 ) -> Mirrored:
     components = _components(value)
+    check_matching_shapes(components, None, f"{op.name} reduction")
     devices = _destination_devices(destinations, components)
     target = reduce_to_device or devices[0]
     total = components[0].detach().to(target, copy=True)

@@ -20,6 +20,7 @@ import torch
 
 from distribute import context
 from distribute._enums import ReduceOp, VariableAggregation, VariableSynchronization
+from distribute.collectives._shapes import check_axis, check_matching_shapes
 from distribute.collectives.packing import PackedTensors, pack_tensors, sum_packs, unpack_tensors
 from distribute.context import ReplicaContext
 from distribute.errors import (
@@ -544,13 +545,46 @@ class ReplicatedExtended(StrategyExtended):
             return outs
         return self._all_reduce_tensors(local, op, tensors, "all_reduce")
 
+    def _replica_reduce_assigned(
+        self, replica_ctx: ReplicaContext, op: ReduceOp, value: Any
+    ) -> torch.Tensor:
+        """The all-reduce of an aggregated variable's assigned value, refusing SUM of a
+        value that is not per replica.
+
+        As in tf.distribute, a value every local replica passes as the same object (a
+        Python number in the step's code, a tensor made outside `run`) is one value,
+        not one per replica, and summing it over the replicas would silently count it
+        N times: SUM raises (zero excepted, whose sum is unambiguous). Values the
+        replicas compute are distinct objects and are summed. With one local replica
+        the value is summed across workers, as TF's multi-worker strategy does.
+        """
+        if op is ReduceOp.SUM and self._num_local > 1:
+            local = replica_ctx.local_replica_id
+
+            def combine(values: list[Any]) -> list[bool]:
+                same = all(v is values[0] for v in values[1:])
+                return [same] * self._num_local
+
+            same: list[bool] = self._exchange(local, "assign (SUM)", value, combine)
+            if same[local] and bool(torch.as_tensor(value).detach().ne(0).any()):
+                raise InvalidArgumentError(
+                    f"a variable with SUM aggregation was assigned {_short(value)} inside "
+                    f"`run`, the same object on all {self._num_local} replicas: a "
+                    "non-distributed value cannot be reduced with SUM (it would count "
+                    f"{self._num_local} times). Assign a value each replica computes, give "
+                    "the variable MEAN or ONLY_FIRST_REPLICA aggregation, or assign it in "
+                    "cross-replica context"
+                )
+        result: torch.Tensor = self._replica_all_reduce(replica_ctx, op, torch.as_tensor(value))
+        return result
+
     def _replica_all_gather(self, replica_ctx: ReplicaContext, value: Any, axis: int) -> Any:
         leaves = flatten(value)
         local = replica_ctx.local_replica_id
         outs = []
         for leaf in leaves:
             tensor = torch.as_tensor(leaf)
-            _check_axis(tensor, axis, "all_gather")
+            check_axis(tensor, axis, "all_gather")
             outs.append(_AllGather.apply(self, local, axis % tensor.dim(), tensor))  # type: ignore[no-untyped-call]  # autograd.Function.apply is untyped
         return pack_sequence_as(value, outs)
 
@@ -558,7 +592,7 @@ class ReplicatedExtended(StrategyExtended):
         self, local: int, tensor: torch.Tensor, axis: int, name: str
     ) -> tuple[torch.Tensor, list[int]]:
         def combine(per_replica: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[int]]]:
-            _check_gatherable(per_replica, axis, name, self._global_id)
+            check_matching_shapes(per_replica, axis, name, self._global_id)
             gathered = torch.cat([t.to(self._meet_device) for t in per_replica], dim=axis)
             sizes = [int(t.shape[axis]) for t in per_replica]
             if self._cross_worker is not None:
@@ -653,8 +687,10 @@ class ReplicatedExtended(StrategyExtended):
         count = None
         if axis is not None:
             for t in tensors:
-                _check_axis(t, axis, "reduce")
+                check_axis(t, axis, "reduce")
             count = sum(int(t.shape[axis]) for t in tensors)
+        self._check_local_shapes(tensors, axis, "reduce")
+        if axis is not None:
             tensors = [t.sum(dim=axis) for t in tensors]
         total = _sum_to(tensors, self._meet_device)
         if self._cross_worker is not None:
@@ -669,6 +705,24 @@ class ReplicatedExtended(StrategyExtended):
             total = total.double()
         return total / divisor if divisor else total * float("nan")
 
+    def _check_local_shapes(
+        self, tensors: Sequence[torch.Tensor], axis: int | None, what: str
+    ) -> None:
+        """`check_matching_shapes` over this worker's replicas, made collective.
+
+        A worker whose replicas disagree still meets the other workers, in a
+        signature check that cannot match theirs, so every worker raises at once
+        (naming these shapes) instead of waiting out the timeout in the collective
+        this worker never reaches.
+        """
+        try:
+            check_matching_shapes(tensors, axis, what, self._global_id)
+        except CollectiveMismatchError as exc:
+            if self._cross_worker is not None:
+                with contextlib.suppress(CollectiveMismatchError):
+                    self._cross_worker.check_same((what, str(exc)), name=what)
+            raise
+
     def _gather(self, value: Any, axis: int) -> Any:
         return pack_sequence_as(value, [self._gather_leaf(leaf, axis) for leaf in flatten(value)])
 
@@ -678,9 +732,9 @@ class ReplicatedExtended(StrategyExtended):
             components = [leaf] * self._num_local
         tensors = [torch.as_tensor(c) for c in components]
         for t in tensors:
-            _check_axis(t, axis, "gather")
+            check_axis(t, axis, "gather")
         axis = axis % tensors[0].dim()
-        _check_gatherable(tensors, axis, "gather", self._global_id)
+        self._check_local_shapes(tensors, axis, "gather")
         gathered = torch.cat([t.to(self._meet_device) for t in tensors], dim=axis)
         if self._cross_worker is not None:
             gathered = self._cross_worker.all_gather(gathered, axis, name="gather")
@@ -785,35 +839,11 @@ def _sum_to(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tens
     return total
 
 
-def _check_axis(tensor: torch.Tensor, axis: int, what: str) -> None:
-    if tensor.dim() == 0:
-        raise InvalidArgumentError(
-            f"{what} along axis {axis} needs tensors of rank >= 1, got a scalar; "
-            "reshape it with x.reshape(1) or use reduce with axis=None"
-        )
-    if not -tensor.dim() <= axis < tensor.dim():
-        raise InvalidArgumentError(
-            f"{what}: axis {axis} is out of range for a tensor of shape {list(tensor.shape)}"
-        )
-
-
-def _check_gatherable(
-    tensors: Sequence[torch.Tensor], axis: int, what: str, global_id: Callable[[int], int]
-) -> None:
-    def others(t: torch.Tensor) -> tuple[Any, ...]:
-        shape = list(t.shape)
-        shape[axis] = -1
-        return (t.dtype, tuple(shape))
-
-    reference = others(tensors[0])
-    for i, t in enumerate(tensors[1:], start=1):
-        if others(t) != reference or t.dim() != tensors[0].dim():
-            raise CollectiveMismatchError(
-                f"{what}: replica {global_id(0)} has "
-                f"{tensors[0].dtype}{list(tensors[0].shape)} but "
-                f"replica {global_id(i)} has {t.dtype}{list(t.shape)}; shapes may differ only "
-                f"along axis {axis}"
-            )
+def _short(value: Any) -> str:
+    """A value for a message: a number as itself, a tensor by its shape and dtype."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)} ({value.dtype})"
+    return repr(value)
 
 
 def _place(value: torch.Tensor, destinations: Any) -> Any:

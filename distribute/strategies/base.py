@@ -123,6 +123,13 @@ class StrategyExtended:
     def _replica_all_gather(self, replica_ctx: ReplicaContext, value: Any, axis: int) -> Any:
         raise NotImplementedError
 
+    def _replica_reduce_assigned(
+        self, replica_ctx: ReplicaContext, op: ReduceOp, value: Any
+    ) -> torch.Tensor:
+        """What an aggregated variable's `assign*(value)` in replica context writes."""
+        result: torch.Tensor = self._replica_all_reduce(replica_ctx, op, torch.as_tensor(value))
+        return result
+
     def _replica_merge_call(
         self,
         replica_ctx: ReplicaContext,

@@ -219,6 +219,53 @@ def _mismatch() -> dict[str, Any]:
     return {"error": None}
 
 
+def _reduce_shape_mismatch(local_replicas: int, odd_replicas: str) -> dict[str, Any]:
+    """Worker 1's last (or every) replica holds a partial batch: shape [1] against [3]."""
+    strategy = _strategy(local_replicas, timeout_seconds=30)
+    assert strategy.cluster_resolver is not None
+    rank = strategy.cluster_resolver.rank
+
+    def fn() -> torch.Tensor:
+        ctx = ds.get_replica_context()
+        assert ctx is not None
+        last = ctx.replica_id_in_sync_group == strategy.num_replicas_in_sync - 1
+        odd = rank == 1 and (last or odd_replicas == "worker")
+        return torch.ones(1 if odd else 3)
+
+    value = strategy.run(fn)
+    errors = []
+    start = time.monotonic()
+    for op in ("sum", "mean"):
+        try:
+            strategy.reduce(op, value, axis=None)
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    seconds = time.monotonic() - start
+    strategy.shutdown()
+    return {"rank": rank, "errors": errors, "seconds": seconds}
+
+
+@pytest.mark.parametrize(
+    ("local_replicas", "odd_replicas"),
+    [(1, "worker"), (2, "worker"), (2, "last")],
+    ids=["1x_workers_differ", "2x_workers_differ", "2x_replicas_within_a_worker_differ"],
+)
+def test_reduce_of_shapes_that_differ_across_workers_raises_on_every_worker(
+    local_replicas: int, odd_replicas: str
+) -> None:
+    # TF raises; a reduction must never broadcast a partial batch's [1] against [3].
+    results = launch.run(
+        _reduce_shape_mismatch, 2, args=(local_replicas, odd_replicas), timeout=120
+    )
+    for out in results:
+        for error in out["errors"]:
+            assert error is not None, out
+            assert "[3]" in error and "[1]" in error, error
+        # Every worker raises at once, not after the 30 s collective timeout.
+        assert out["seconds"] < 10, out
+
+
 def _batchnorm_buffers(local_replicas: int) -> dict[str, Any]:
     strategy = _strategy(local_replicas)
     with strategy.scope():

@@ -84,6 +84,59 @@ def test_reduce_of_a_plain_value(strategy: ds.Strategy) -> None:
             strategy.reduce("sum", value)
 
 
+@pytest.mark.parametrize("op", ["sum", "mean"])
+@pytest.mark.parametrize("axis", [None, 0])
+def test_reduce_of_per_replica_values_of_different_shapes_raises_naming_them(
+    strategy: ds.Strategy, op: str, axis: int | None
+) -> None:
+    # TF raises; torch would broadcast [1] against [3] (or fail with its raw in-place
+    # error the other way round): a partial last batch reduced with axis=None.
+    if local(strategy) == 1:
+        pytest.skip("needs several replicas to disagree")
+    shapes = [(3, 2)] * (local(strategy) - 1) + [(1, 4)]
+    value = ds.PerReplica([torch.ones(s) for s in shapes])
+    expected = r"replica 0 has torch.float32\[3, 2\] but replica \d+ has torch.float32\[1, 4\]"
+    with strategy.scope(), pytest.raises(ValueError, match=expected):
+        strategy.reduce(op, value, axis=axis)
+    with pytest.raises(ValueError, match=expected):
+        strategy.extended.reduce_to(op, value, destinations="cpu")
+    with pytest.raises(ValueError, match=expected):
+        strategy.extended.batch_reduce_to(op, [(value, "cpu")])
+
+
+def test_reduce_of_shapes_that_broadcast_raises_in_either_order(strategy: ds.Strategy) -> None:
+    if local(strategy) == 1:
+        pytest.skip("needs several replicas to disagree")
+    n = local(strategy)
+    for first, other in (((3,), (1,)), ((1,), (3,))):
+        value = ds.PerReplica([torch.ones(first)] + [torch.ones(other)] * (n - 1))
+        with pytest.raises(ValueError, match="replica 0 has"):
+            strategy.reduce("sum", value, axis=None)
+
+
+def test_reduce_with_an_axis_accepts_shapes_that_differ_along_it(strategy: ds.Strategy) -> None:
+    components = [torch.ones(i + 1, 3) for i in range(local(strategy))]
+    value = components[0] if len(components) == 1 else ds.PerReplica(components)
+    count = sum(i + 1 for i in range(local(strategy)))
+    assert torch.equal(strategy.reduce("sum", value, axis=0), torch.full((3,), float(count)))
+
+
+@pytest.mark.parametrize(
+    "cross_device_ops",
+    [ds.ReductionToOneDevice(), ds.HierarchicalCopyAllReduce(), ds.NcclAllReduce()],
+    ids=["to_one_device", "hierarchical_copy", "nccl"],
+)
+def test_cross_device_ops_refuse_values_of_different_shapes(
+    cross_device_ops: ds.CrossDeviceOps,
+) -> None:
+    value = ds.PerReplica((torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0])))
+    with pytest.raises(ValueError, match=r"\[3\] but replica 1 has torch.float32\[1\]"):
+        cross_device_ops.reduce("sum", value, destinations=["cpu:0", "cpu:1"])
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"], cross_device_ops=cross_device_ops)
+    with pytest.raises(ValueError, match="replica 1 has"):
+        strategy.extended.reduce_to("mean", value, destinations="cpu")
+
+
 def test_reduce_of_a_nest_reduces_each_leaf(strategy: ds.Strategy) -> None:
     values = per_replica_ids(strategy)
     out = strategy.reduce("sum", {"a": values, "b": (values,)})

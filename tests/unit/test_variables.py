@@ -339,6 +339,42 @@ def test_replica_assign_add_applies_the_aggregated_delta_once(
     assert [float(c) for c in v.values] == expected(n)
 
 
+@pytest.mark.parametrize("kind", ["assign", "assign_add", "assign_sub"])
+def test_replica_sum_assign_of_a_value_that_is_not_per_replica_raises(
+    mirrored4: ds.Strategy, kind: str
+) -> None:
+    # TF: "A non-DistributedValues value cannot be reduced with SUM". Summing it would
+    # count one Python number 4 times (it left 2.0 on 2 replicas before).
+    with mirrored4.scope():
+        v = ds.Variable(0.0, aggregation=VA.SUM)
+    outside = torch.tensor(3.0)
+    for value in (1.0, 7, outside):
+        with pytest.raises(ValueError, match="cannot be reduced with SUM"):
+            mirrored4.run(lambda value=value: getattr(v, kind)(value))
+    assert components(v) == [[0.0]] * 4, "nothing was written"
+
+
+def test_replica_sum_assign_of_zero_or_of_values_each_replica_computes_is_summed(
+    mirrored4: ds.Strategy, central4: ds.Strategy
+) -> None:
+    for strategy in (mirrored4, central4):
+        with strategy.scope():
+            v = ds.Variable(5.0, aggregation=VA.SUM)
+        strategy.run(lambda v=v: v.assign(0.0))  # zero: its sum is unambiguous (TF too)
+        assert components(v) == [[0.0]] * 4
+        strategy.run(lambda v=v: v.assign(torch.tensor(1.0)))  # a new tensor per replica
+        assert components(v) == [[4.0]] * 4
+        strategy.run(lambda v=v: v.assign_add(float(rid())))  # computed per replica
+        assert components(v) == [[10.0]] * 4
+
+
+def test_replica_mean_assign_of_one_value_is_that_value(mirrored4: ds.Strategy) -> None:
+    with mirrored4.scope():
+        v = ds.Variable(0.0, aggregation=VA.MEAN)
+    mirrored4.run(lambda: v.assign(2.5))
+    assert components(v) == [[2.5]] * 4
+
+
 def test_replica_assign_sub_with_sum_aggregation(mirrored4: ds.Strategy) -> None:
     with mirrored4.scope():
         v = ds.Variable(torch.full((2,), 100.0), aggregation=VA.SUM)
