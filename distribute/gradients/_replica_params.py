@@ -16,9 +16,24 @@ checkpoints see no difference). Outside the step, and in other threads,
 ``param_groups`` is the optimizer's own list. Hyper-parameters are read from the
 original groups at each step, so schedulers keep working.
 
-Used where it pays: replicas on a device other than the CPU, or an optimizer
-asking for ``foreach``/``fused``. On CPU replicas the default per-parameter loop
+Used where it pays: replicas on GPUs, or an optimizer asking for
+``foreach``/``fused``. Not on XLA devices by default: torch steps them per
+parameter anyway, and an in-place update through replica 0's alias is not donated
+to the parameter's buffer, so device 0 compiled a program of its own for every
+input shape. On CPU replicas the default per-parameter loop
 runs on the variables directly (torch's default there), with no extra work.
+
+# NOTE [group state per replica]
+Some optimizers keep state in their param groups, not per parameter: timm's and
+pytorch_optimizer's Lamb and Adan count ``group["step"] += 1``. Replica threads
+sharing the groups would count N steps per step (4 after 2 steps under 2
+replicas: wrong bias corrections, copies drifting apart). So with several local
+replicas each replica steps on its own copies of the groups, taken while every
+replica waits at the start of the step (before replica 0 can change anything);
+replica 0 steps on the optimizer's own groups, so `state_dict` and schedulers see
+its values, and the others' copies are dropped after the step (they computed the
+same). Where replica 0 too steps on copies (plain tensors, above), what its step
+wrote is put back into the optimizer's groups.
 """
 
 from __future__ import annotations
@@ -31,7 +46,7 @@ import torch
 from distribute.gradients._local_sum import _get_grad
 from distribute.variables import DistributedVariable
 
-__all__ = ["ReplicaParamGroups", "replica_groups"]
+__all__ = ["ReplicaParamGroups", "snapshot_groups", "with_plain_params", "write_back"]
 
 
 class ReplicaParamGroups(list):  # type: ignore[type-arg]
@@ -53,6 +68,10 @@ class ReplicaParamGroups(list):  # type: ignore[type-arg]
     def end(self) -> None:
         self._local.groups = None
 
+    def current(self) -> list[dict[str, Any]] | None:
+        """The groups this thread sees since `begin`, or None."""
+        return self._view()
+
     def originals(self) -> list[dict[str, Any]]:
         """The optimizer's own groups, whoever asks."""
         return list(super().__iter__())
@@ -73,13 +92,52 @@ class ReplicaParamGroups(list):  # type: ignore[type-arg]
         return (list, (self.originals(),))  # copies and pickles are plain lists
 
 
-def replica_groups(
+def snapshot_groups(
+    groups: list[dict[str, Any]], num_local: int, plain: bool
+) -> list[list[dict[str, Any]] | None]:
+    """Each local replica's own copy of the optimizer's groups (NOTE [group state per
+    replica]); None for replica 0 when it steps on the originals.
+
+    Taken while every replica waits, before any steps. Tensors in a group (a
+    capturable ``lr``, a group-level ``step``) are cloned for replicas 1..N-1, whose
+    in-place updates must not reach the originals.
+    """
+    views: list[list[dict[str, Any]] | None] = []
+    for local in range(num_local):
+        if local == 0 and not plain:
+            views.append(None)
+            continue
+        views.append(
+            [
+                {
+                    key: value.clone() if local and isinstance(value, torch.Tensor) else value
+                    for key, value in group.items()
+                }
+                for group in groups
+            ]
+        )
+    return views
+
+
+def write_back(originals: list[dict[str, Any]], view: list[dict[str, Any]]) -> None:
+    """Keeps what replica 0's step wrote into its copies of the groups (a group-level
+    ``step``) in the optimizer's own groups, so that `state_dict` has it."""
+    for group, copy in zip(originals, view):
+        for key, value in copy.items():
+            if key != "params" and group.get(key, _MISSING) is not value:
+                group[key] = value
+
+
+_MISSING = object()
+
+
+def with_plain_params(
     groups: list[dict[str, Any]], strategy: Any, local: int
-) -> tuple[list[dict[str, Any]], dict[torch.Tensor, DistributedVariable]]:
-    """Copies of ``groups`` whose variables of ``strategy`` are replica ``local``'s
-    plain tensors, and the map from those tensors back to their variables."""
+) -> dict[torch.Tensor, DistributedVariable]:
+    """Puts replica ``local``'s plain tensors in place of ``strategy``'s variables in
+    ``groups`` (its own copies); returns the map from those tensors back to their
+    variables."""
     mapping: dict[torch.Tensor, DistributedVariable] = {}
-    copies = []
     for group in groups:
         params = []
         for p in group["params"]:
@@ -95,5 +153,5 @@ def replica_groups(
                 params.append(plain)
             else:
                 params.append(p)
-        copies.append({**group, "params": params})
-    return copies, mapping
+        group["params"] = params
+    return mapping

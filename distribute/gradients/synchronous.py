@@ -24,13 +24,18 @@ import threading
 import weakref
 from collections.abc import Sequence
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from distribute.errors import ContextError, InvalidArgumentError
 from distribute.gradients import _hooks  # noqa: F401  # registers the optimizer step hooks
 from distribute.gradients._bucket_reducer import BucketReducer
 from distribute.gradients._local_sum import LocalSum
-from distribute.gradients._replica_params import ReplicaParamGroups, replica_groups
+from distribute.gradients._replica_params import (
+    ReplicaParamGroups,
+    snapshot_groups,
+    with_plain_params,
+    write_back,
+)
 from distribute.gradients._state import PerReplicaState
 from distribute.gradients.base import GradientSum
 
@@ -69,7 +74,7 @@ class SynchronousStepHandler:
         self, optimizer: Optimizer, variables: Sequence[DistributedVariable]
     ) -> GradientSum:
         """The optimizer's `GradientSum`, made at its first step (once for all replicas)."""
-        key = tuple(map(id, variables))
+        key = (*map(id, variables), self._ext._layout_generation)
         cached = self._sums.get(optimizer)
         if cached is not None and cached[0] == key and not cached[1].stale:
             return cached[1]
@@ -116,14 +121,22 @@ class SynchronousStepHandler:
             with self._lock:
                 if not isinstance(optimizer.state, PerReplicaState):
                     optimizer.state = PerReplicaState(optimizer.state, ext)
+        # Taken before the sum, while no replica can have stepped yet.
+        view = self._own_groups(optimizer, local, plain) if ext._num_local > 1 or plain else None
         if not summed:
             if ext._num_replicas_in_sync() > 1:
                 _refuse_torch_grad_scaler()
             self.sum_gradients(optimizer, variables, local)
         if ext._central and local != 0:
             ext._skip_grads.value = True
-        if plain:
-            self._begin_plain_step(optimizer, local)
+        if view is not None:
+            groups = optimizer.param_groups
+            assert isinstance(groups, ReplicaParamGroups)
+            groups.begin(view)
+            if plain:  # after the sum: replica 0's plain alias takes its summed gradient
+                state = optimizer.state
+                assert isinstance(state, PerReplicaState)
+                state.translate(with_plain_params(view, ext._container_strategy, local))
 
     def _plain_tensors(self, optimizer: Optimizer) -> bool:
         """Whether ``optimizer`` steps on plain tensors (NOTE [plain tensors at the step]):
@@ -136,12 +149,20 @@ class SynchronousStepHandler:
             if isinstance(groups, ReplicaParamGroups):
                 groups = groups.originals()
             asked = any(g.get("foreach") or g.get("fused") for g in groups)
-            off_cpu = any(d.type != "cpu" for d in ext._devices)
+            # XLA devices step per parameter (torch's default there), and an update
+            # made through replica 0's plain alias is not donated to the parameter's
+            # buffer: device 0 would compile its own copy of every step's program.
+            off_cpu = any(d.type not in ("cpu", "xla") for d in ext._devices)
             plain = not ext._central and (asked or off_cpu)
             self._plain[optimizer] = plain
         return plain
 
-    def _begin_plain_step(self, optimizer: Optimizer, local: int) -> None:
+    def _own_groups(
+        self, optimizer: Optimizer, local: int, plain: bool
+    ) -> list[dict[str, Any]] | None:
+        """This replica's own copies of the optimizer's groups for the step, or None
+        for replica 0 stepping on the originals (NOTE [group state per replica])."""
+        ext = self._ext
         groups = optimizer.param_groups
         if not isinstance(groups, ReplicaParamGroups):  # first step, or load_state_dict
             with self._lock:
@@ -149,11 +170,17 @@ class SynchronousStepHandler:
                 if not isinstance(groups, ReplicaParamGroups):
                     groups = ReplicaParamGroups(groups)
                     optimizer.param_groups = groups
-        copies, mapping = replica_groups(groups.originals(), self._ext._container_strategy, local)
-        groups.begin(copies)
-        state = optimizer.state
-        assert isinstance(state, PerReplicaState)
-        state.translate(mapping)
+        originals = groups.originals()
+        n = ext._num_local
+        if n == 1:
+            return snapshot_groups(originals, 1, plain)[0]
+        views: list[list[dict[str, Any]] | None] = ext._exchange(
+            local,
+            "optimizer step (param groups)",
+            None,
+            lambda _: snapshot_groups(originals, n, plain),
+        )
+        return views[local]
 
     def after_step(
         self, optimizer: Optimizer, variables: Sequence[DistributedVariable], local: int
@@ -161,6 +188,9 @@ class SynchronousStepHandler:
         ext = self._ext
         groups = optimizer.param_groups
         if isinstance(groups, ReplicaParamGroups):
+            view = groups.current()
+            if view is not None and local == 0:
+                write_back(groups.originals(), view)
             groups.end()
             state = optimizer.state
             if isinstance(state, PerReplicaState):

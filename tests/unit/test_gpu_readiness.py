@@ -173,10 +173,15 @@ def test_foreach_optimizer_steps_on_plain_tensors_of_each_replicas_device(
     assert isinstance(optimizer.param_groups[0]["params"][0], ds.MirroredVariable)  # outside
 
 
-def test_optimizers_on_cpu_replicas_with_defaults_keep_their_own_param_groups() -> None:
+def test_optimizers_on_cpu_replicas_keep_their_own_param_group_dicts() -> None:
+    # Replicas step on their own copies of the groups (NOTE [group state per replica]),
+    # replica 0 on the optimizer's own dicts, which outside the step are what it sees.
     strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
     _, optimizer, _ = _adam_run(strategy)
-    assert type(optimizer.param_groups) is list  # nothing swapped where it does not pay
+    groups = optimizer.param_groups
+    assert isinstance(groups, list) and len(groups) == 1
+    assert all(isinstance(p, ds.MirroredVariable) for p in groups[0]["params"])
+    assert optimizer.state_dict()["param_groups"][0]["lr"] == groups[0]["lr"]
 
 
 def test_an_optimizer_with_per_replica_groups_can_be_copied_and_reloaded() -> None:
