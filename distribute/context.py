@@ -222,6 +222,11 @@ def _exit_scope() -> None:
     _state.stack.pop()
 
 
+def _scope_depth(strategy: Strategy) -> int:
+    """How many scopes of `strategy` this thread has entered (and not left)."""
+    return sum(1 for e in _state.stack if e.strategy is strategy and e.replica_context is None)
+
+
 def _default_strategy() -> Strategy:
     from distribute.strategies.default import _default_strategy_singleton
 

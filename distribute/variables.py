@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +79,11 @@ class DistributedVariable(torch.Tensor):
     _ds_synced_version: int
     _ds_is_buffer: bool
     _ds_trainable: bool
+    #: False from creation in a scope until the strategy places the variable on its
+    #: replica devices (NOTE [placement] in strategies/_placement.py).
+    _ds_placed: bool
+    #: Where modules hold this variable: (module, "param" or "buffer", name).
+    _ds_owners: list[tuple[weakref.ref[torch.nn.Module], str, str]]
     #: Whether any strategy of several replicas in sync has made a variable in this
     #: process; until then the optimizer hooks skip their checks outside `run`.
     _ds_any_replicated: bool = False
@@ -114,6 +120,8 @@ class DistributedVariable(torch.Tensor):
         var._ds_is_buffer = is_buffer
         var._ds_trainable = trainable
         var._ds_synced_version = var._primary_version()
+        var._ds_placed = True
+        var._ds_owners = []
         if strategy.num_replicas_in_sync > 1:
             DistributedVariable._ds_any_replicated = True
         if is_param:
@@ -152,9 +160,31 @@ class DistributedVariable(torch.Tensor):
     def _mark_synced(self) -> None:
         self._ds_synced_version = self._primary_version()
 
+    def _ds_add_owner(self, module: torch.nn.Module, kind: str, name: str) -> None:
+        """Records that ``module`` holds this variable as its parameter or buffer ``name``."""
+        for ref, k, n in self._ds_owners:
+            if ref() is module and k == kind and n == name:
+                return
+        self._ds_owners.append((weakref.ref(module), kind, name))
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The primary component's data, as `torch.Tensor.data` (inside `run`: the
+        running replica's)."""
+        data: torch.Tensor = _TensorBase.data.__get__(self)
+        return data
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        # `p.data = t` (and `module.to(dtype)`, `.half()`, ...: `Module._apply` writes
+        # `.data`) must reach every replica's copy, not only the primary.
+        self._ds_strategy.extended._set_variable_data(self, value)
+
     @property
     def values(self) -> tuple[torch.Tensor, ...]:  # type: ignore[override]  # Tensor.values is a sparse-tensor method; here the per-replica components
         """The components, one per local replica (plain tensors sharing storage)."""
+        if not self._ds_placed:
+            self._ds_strategy.extended._place_variables(self)
         if self._ds_synchronization is not VariableSynchronization.ON_READ:
             self._sync_from_primary()
         return tuple(self._plain_component(i) for i in range(1 + len(self._ds_components)))
@@ -571,12 +601,29 @@ def _refuse_in_replica_context(strategy: Strategy, what: str) -> None:
         )
 
 
+def _slot_strategy(current: object) -> Strategy | None:
+    """The strategy of the variable a module slot holds, if it captures modules.
+
+    A tensor assigned in place of a strategy's variable outside any scope
+    (`load_state_dict(..., assign=True)`, `module.weight = nn.Parameter(...)`)
+    becomes that strategy's variable, as it would have inside the scope.
+    """
+    if isinstance(current, DistributedVariable):
+        strategy = current._ds_strategy
+        if strategy.extended._captures_modules and context._top() is None:
+            return strategy
+    return None
+
+
 def _parameter_hook(
     module: torch.nn.Module, name: str, param: torch.nn.Parameter | None
 ) -> torch.nn.Parameter | None:
-    if param is None or isinstance(param, DistributedVariable):
+    if param is None:
         return None
-    strategy = _capturing_strategy("parameter")
+    if isinstance(param, DistributedVariable):
+        param._ds_add_owner(module, "param", name)  # tied weights: one variable, two slots
+        return None
+    strategy = _capturing_strategy("parameter") or _slot_strategy(module._parameters.get(name))
     if strategy is None:
         return None
     var = strategy.extended._create_variable(
@@ -585,28 +632,52 @@ def _parameter_hook(
         synchronization=VariableSynchronization.ON_WRITE,
         aggregation=VariableAggregation.NONE,
         is_param=True,
+        deferred=True,
     )
+    carry_attributes(vars(param), var)
+    var._ds_add_owner(module, "param", name)
     return var  # type: ignore[return-value]  # isinstance(var, Parameter) holds
 
 
 def _buffer_hook(
     module: torch.nn.Module, name: str, buffer: torch.Tensor | None
 ) -> torch.Tensor | None:
-    if buffer is None or isinstance(buffer, DistributedVariable):
+    if buffer is None:
         return None
-    strategy = _capturing_strategy(None)
+    if isinstance(buffer, DistributedVariable):
+        buffer._ds_add_owner(module, "buffer", name)
+        return None
+    strategy = _capturing_strategy(None) or _slot_strategy(module._buffers.get(name))
     if strategy is None:
         return None
-    floating = buffer.is_floating_point()
-    return strategy.extended._create_variable(
+    var = strategy.extended._create_variable(
         buffer,
         trainable=False,
         synchronization=VariableSynchronization.ON_WRITE,
-        aggregation=VariableAggregation.MEAN
-        if floating
-        else VariableAggregation.ONLY_FIRST_REPLICA,
+        aggregation=buffer_aggregation(buffer),
         is_buffer=True,
+        deferred=True,
     )
+    carry_attributes(vars(buffer), var)
+    var._ds_add_owner(module, "buffer", name)
+    return var
+
+
+def carry_attributes(attributes: dict[str, Any], var: torch.Tensor) -> None:
+    """Copies the Python attributes a tensor carried (transformers' ``_is_hf_initialized``
+    marks loaded weights; others mark weight decay or sharding) onto the variable
+    that stands for it, leaving the variable's own."""
+    for key, value in attributes.items():
+        if not key.startswith("_ds_") and key != "_is_param":
+            setattr(var, key, value)
+
+
+def buffer_aggregation(buffer: torch.Tensor) -> VariableAggregation:
+    """How a module buffer's copies combine: floating buffers (BatchNorm's running
+    statistics) average, others (``num_batches_tracked``) take replica 0's."""
+    if buffer.is_floating_point():
+        return VariableAggregation.MEAN
+    return VariableAggregation.ONLY_FIRST_REPLICA
 
 
 _module.register_module_parameter_registration_hook(_parameter_hook)  # type: ignore[arg-type]  # stubs say the hook returns None; returning a tensor replaces it

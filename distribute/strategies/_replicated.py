@@ -30,6 +30,7 @@ from distribute.errors import (
 )
 from distribute.strategies._buffer_sync import BufferSync
 from distribute.strategies._devices import parse_device
+from distribute.strategies._placement import VariablePlacement
 from distribute.strategies._replica_threads import Rendezvous, ReplicaThreads
 from distribute.strategies.base import StrategyExtended
 from distribute.values import (
@@ -135,6 +136,9 @@ class ReplicatedExtended(StrategyExtended):
             torch.device("cpu") if self._devices[0].type == "xla" else self._devices[0]
         )
         self._captures_modules = captures_modules
+        # Plain tensors passed to `run` reach each replica on its device (as TF places
+        # a plain argument); on CPU replicas there is nothing to move, and no walk.
+        self._places_arguments = captures_modules and any(d.type != "cpu" for d in self._devices)
         self._wrap_single_values = wrap_single_values
         self._central = central_storage
         self._timeout = float(timeout_seconds or DEFAULT_TIMEOUT_SECONDS)
@@ -146,8 +150,15 @@ class ReplicatedExtended(StrategyExtended):
         self._variables: weakref.WeakSet[DistributedVariable] = weakref.WeakSet()
         # Creation order, the same on every worker (a WeakSet's order is not: it
         # follows addresses), because the buffers' sync packs them in this order.
-        self._buffers: list[weakref.ref[DistributedVariable]] = []
+        # With the modules' slots that hold them: a buffer replaced there by a plain
+        # tensor (`module.to(dtype)`) may be collected, and its slot still tells
+        # where to look (NOTE [placement]).
+        self._buffers: list[tuple[weakref.ref[DistributedVariable], list[Any]]] = []
         self._pending_broadcast: list[DistributedVariable] = []
+        self._placement = VariablePlacement(self)
+        # Bumped when a variable's shape or dtype changes (`.data = t`, `.to(dtype)`),
+        # so that per-optimizer gradient sums laid out for the old ones are rebuilt.
+        self._layout_generation = 0
         self._buffer_sync: BufferSync | None = None
         n = len(self._devices)
         self._rendezvous = Rendezvous(n, self._timeout, self._devices) if n > 1 else None
@@ -219,8 +230,11 @@ class ReplicatedExtended(StrategyExtended):
             self._before_run()
             try:
                 replica_ctx = ReplicaContext(strategy, self._global_id(0), 0)
+                args, kwargs = select_replica(0, (tuple(args), kwargs), 1)
+                if self._places_arguments:
+                    args, kwargs = _on_device((args, kwargs), self._devices[0])
                 with context._push(strategy, replica_ctx):
-                    return fn(*select_replica(0, tuple(args), 1), **select_replica(0, kwargs, 1))
+                    return fn(*args, **kwargs)
             finally:
                 self._after_run()
         self._claim_run()
@@ -261,8 +275,11 @@ class ReplicatedExtended(StrategyExtended):
 
         def replica_fn(local: int) -> Any:
             replica_ctx = ReplicaContext(strategy, self._global_id(local), local)
+            own_args, own_kwargs = select_replica(local, (args, kwargs), n)
+            if self._places_arguments:
+                own_args, own_kwargs = _on_device((own_args, own_kwargs), self._devices[local])
             with context._push(strategy, replica_ctx):
-                return fn(*select_replica(local, args, n), **select_replica(local, kwargs, n))
+                return fn(*own_args, **own_kwargs)
 
         fns = [functools.partial(replica_fn, i) for i in range(self._num_local)]
         return self._threads.call(
@@ -272,15 +289,32 @@ class ReplicatedExtended(StrategyExtended):
     def _live_variables(self) -> list[DistributedVariable]:
         return list(self._variables)
 
+    def _adopt_replaced_buffers(self) -> None:
+        """A buffer that `module.to(dtype)` replaced with a plain tensor becomes a
+        variable again, in its place in the creation order (NOTE [placement]): every
+        replica thread would update the plain one at once."""
+        entries = self._buffers
+        for index, (ref, owners) in enumerate(entries):
+            adopted = self._placement.adopt_replaced_buffer(ref(), owners)
+            if adopted is not None:
+                entries[index] = (weakref.ref(adopted), adopted._ds_owners)
+                self._variables.add(adopted)
+                self._data_replaced(adopted)
+
     def _live_buffers(self) -> list[DistributedVariable]:
         """The buffers still alive, in creation order (dead references dropped)."""
-        alive = [b for ref in self._buffers if (b := ref()) is not None]
+        alive = [b for ref, _ in self._buffers if (b := ref()) is not None]
         if len(alive) != len(self._buffers):
-            self._buffers = [weakref.ref(b) for b in alive]
+            self._buffers = [(r, o) for r, o in self._buffers if r() is not None]
         return alive
 
     def _before_run(self) -> None:
+        if self._placement.pending:
+            self._placement.place()
+            self._placement.require_materialized()
         self._broadcast_initial_values()
+        if self._num_replicas_in_sync() > 1 and self._buffers:
+            self._adopt_replaced_buffers()
         if self._num_local == 1:
             return
         for var in self._live_variables():
@@ -321,6 +355,7 @@ class ReplicatedExtended(StrategyExtended):
         aggregation: VariableAggregation,
         is_param: bool = False,
         is_buffer: bool = False,
+        deferred: bool = False,
     ) -> DistributedVariable:
         if synchronization is VariableSynchronization.NONE:
             raise InvalidArgumentError(
@@ -333,6 +368,37 @@ class ReplicatedExtended(StrategyExtended):
                 f"MEAN aggregation needs a floating variable, got dtype {value.dtype}; "
                 "use SUM or ONLY_FIRST_REPLICA, or a floating initial value"
             )
+        # The default strategy places nothing: its variables stay where the value is.
+        # A module's parameters and buffers stay where its code made them until it
+        # has initialized them (NOTE [placement]); so does any value on the meta device.
+        keep = not self._captures_modules or deferred or value.is_meta
+        var = self._make_variable(
+            value,
+            trainable=trainable,
+            synchronization=synchronization,
+            aggregation=aggregation,
+            is_param=is_param,
+            is_buffer=is_buffer,
+            devices=(value.device,) if keep else self._devices,
+        )
+        if self._captures_modules and keep:
+            self._placement.defer(var)
+        else:
+            self._register_variable(var)
+        return var
+
+    def _make_variable(
+        self,
+        value: torch.Tensor,
+        *,
+        trainable: bool,
+        synchronization: VariableSynchronization,
+        aggregation: VariableAggregation,
+        is_param: bool,
+        is_buffer: bool,
+        devices: Sequence[torch.device],
+    ) -> DistributedVariable:
+        """A variable of this strategy on ``devices``, not yet registered with it."""
         cls: type[DistributedVariable]
         if synchronization is VariableSynchronization.ON_READ:
             cls = SyncOnReadVariable
@@ -345,9 +411,7 @@ class ReplicatedExtended(StrategyExtended):
             if synchronization is VariableSynchronization.ON_READ
             else VariableSynchronization.ON_WRITE
         )
-        # The default strategy places nothing: its variables stay where the value is.
-        devices = self._devices if self._captures_modules else (value.device,)
-        var = cls._create(
+        return cls._create(
             value,
             self._container_strategy,
             devices,
@@ -362,12 +426,39 @@ class ReplicatedExtended(StrategyExtended):
             and sync is VariableSynchronization.ON_WRITE
             and not is_buffer,
         )
-        if is_buffer:
-            self._buffers.append(weakref.ref(var))
-        if self._cross_worker is not None and sync is not VariableSynchronization.ON_READ:
+
+    def _register_variable(self, var: DistributedVariable) -> None:
+        """Makes a placed variable one of this strategy's (syncs, buffers, broadcast)."""
+        if var._ds_is_buffer:
+            self._buffers.append((weakref.ref(var), var._ds_owners))
+        if (
+            self._cross_worker is not None
+            and var._ds_synchronization is not VariableSynchronization.ON_READ
+        ):
             self._pending_broadcast.append(var)
         self._variables.add(var)
-        return var
+
+    def _place_variables(self, only: DistributedVariable | None = None) -> None:
+        self._placement.place(only)
+
+    def _set_variable_data(self, var: DistributedVariable, value: torch.Tensor) -> None:
+        if not self._captures_modules:
+            super()._set_variable_data(var, value)
+            return
+        self._placement.set_data(var, value)
+
+    def _variables_changed(self) -> None:
+        self._layout_generation += 1
+
+    def _data_replaced(self, var: DistributedVariable) -> None:
+        """Every worker takes the chief's new value before the next `run`, as for an
+        initial value (a `.data` swap may hold values drawn on each worker)."""
+        if (
+            self._cross_worker is not None
+            and var._ds_synchronization is not VariableSynchronization.ON_READ
+            and all(v is not var for v in self._pending_broadcast)
+        ):
+            self._pending_broadcast.append(var)
 
     def _broadcast_initial_values(self) -> None:
         """Gives every worker the chief's initial values, whatever their seeds.
@@ -387,7 +478,9 @@ class ReplicatedExtended(StrategyExtended):
 
     def _exit_scope(self) -> None:
         try:
-            self._broadcast_initial_values()
+            if context._scope_depth(self._container_strategy) == 1:  # the outermost
+                self._placement.place()
+                self._broadcast_initial_values()
         finally:
             super()._exit_scope()
 
@@ -807,6 +900,21 @@ class ReplicatedExtended(StrategyExtended):
             yield
         finally:
             self._no_sync_depth -= 1
+
+
+def _on_device(structure: Any, device: torch.device) -> Any:
+    """``structure`` with every plain tensor not on ``device`` copied there (variables,
+    which the strategy placed, are left alone)."""
+    leaves = flatten(structure)
+    moved = [
+        leaf.to(device)
+        if isinstance(leaf, torch.Tensor)
+        and leaf.device != device
+        and not isinstance(leaf, DistributedVariable)
+        else leaf
+        for leaf in leaves
+    ]
+    return pack_sequence_as(structure, moved)
 
 
 def _gather_bytes(cross: CrossWorker, data: bytes) -> list[bytes]:

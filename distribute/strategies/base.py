@@ -114,8 +114,24 @@ class StrategyExtended:
         aggregation: VariableAggregation,
         is_param: bool = False,
         is_buffer: bool = False,
+        deferred: bool = False,
     ) -> DistributedVariable:
+        """A variable of this strategy holding ``value``.
+
+        ``deferred``: a module's parameter or buffer registered in the scope, which
+        the module's code initializes after registering it; a strategy may keep it
+        where it is until then (NOTE [placement] in strategies/_placement.py).
+        """
         raise NotImplementedError
+
+    def _place_variables(self, only: DistributedVariable | None = None) -> None:
+        """Places variables kept where they were created (see `_create_variable`)."""
+
+    def _set_variable_data(self, var: DistributedVariable, value: torch.Tensor) -> None:
+        """``var.data = value``: every copy of ``var`` takes ``value``."""
+        tensor_base: Any = torch._C.TensorBase
+        with torch.no_grad():
+            tensor_base.data.__set__(var, value)
 
     def _replica_all_reduce(self, replica_ctx: ReplicaContext, op: ReduceOp, value: Any) -> Any:
         raise NotImplementedError

@@ -212,6 +212,7 @@ class _ParameterServerExtended(ReplicatedExtended):
         aggregation: VariableAggregation,
         is_param: bool = False,
         is_buffer: bool = False,
+        deferred: bool = False,
     ) -> Any:
         if is_buffer or self._on_task:
             # Buffers stay with the module on each task (README); inside a closure on

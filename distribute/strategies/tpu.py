@@ -373,6 +373,7 @@ class TPUStrategy(Strategy):
                 f"the product of partition_dimensions {dims} is {math.prod(dims)}, but each "
                 f"replica has {cores} logical device(s); they must be equal"
             )
+        tensor = self._on_device(tensor)
         if self._layout is None:
             return tensor
         return self._layout.split(tensor, dims)
@@ -385,9 +386,21 @@ class TPUStrategy(Strategy):
 
             w = strategy.experimental_replicate_to_logical_devices(w)
         """
+        tensor = self._on_device(tensor)
         if self._layout is None:
             return tensor
         return self._layout.replicate(tensor)
+
+    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor copied where the running replica (SPMD: the program) computes,
+        as `run` places its arguments; an XLA tensor as it is."""
+        if tensor.device.type == "xla":
+            return tensor
+        if self._spmd:
+            return tensor.to(_SPMD_DEVICE)
+        replica_ctx = context.get_replica_context()
+        local = replica_ctx.replica_id_in_sync_group if replica_ctx is not None else 0
+        return tensor.to(self.extended.worker_devices[local])
 
     def __repr__(self) -> str:
         mode = "spmd" if self._spmd else "replica"

@@ -169,6 +169,51 @@ def _train(
     return {"params": params, "copies_equal": copies_equal}
 
 
+def _train_meta_built(local_replicas: int) -> dict[str, Any]:
+    """Builds the model on the meta device in the scope; only the chief loads real
+    weights (the others' memory is left uninitialized): the chief's values win."""
+    rank = int(os.environ["RANK"])
+    strategy = _strategy(local_replicas)
+    with strategy.scope():
+        with torch.device("meta"):
+            model = _make_model()
+        model.to_empty(device="cpu")
+        if rank == 0:
+            torch.manual_seed(1000)
+            model.load_state_dict(_make_model().state_dict())
+        optimizer = _make_optimizer("adam", model.parameters())
+    x, y = _make_data()
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=GLOBAL_BATCH
+    )
+
+    def step(xb: torch.Tensor, yb: torch.Tensor) -> None:
+        per_example = torch.nn.functional.cross_entropy(model(xb), yb, reduction="none")
+        ds.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(2):
+        for xb, yb in strategy.experimental_distribute_dataset(loader):
+            strategy.run(step, args=(xb, yb))
+    variables = all(isinstance(p, ds.MirroredVariable) for p in model.parameters())
+    out = {"params": _state(model), "variables": variables}
+    strategy.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("local_replicas", [1, 2])
+def test_a_model_built_on_the_meta_device_takes_the_chief_s_weights_and_trains(
+    local_replicas: int,
+) -> None:
+    results = launch.run(_train_meta_built, 2, args=(local_replicas,), timeout=150)
+    expected = _reference("adam", 2)
+    for out in results:
+        assert out["variables"]
+        for name, value in expected.items():
+            torch.testing.assert_close(out["params"][name], value, rtol=1e-5, atol=1e-5)
+
+
 def _reference(optimizer_name: str, epochs: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(1000)
     model = _make_model()

@@ -26,9 +26,11 @@ def loader(x: torch.Tensor, y: torch.Tensor, batch: int = GLOBAL_BATCH) -> DataL
     return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False)
 
 
-def mlp(seed: int = 0) -> torch.nn.Module:
+def mlp(seed: int = 0, hidden: int = 32) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 3)
+    )
 
 
 def cpu_reference(x: torch.Tensor, y: torch.Tensor) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -47,12 +49,17 @@ def cpu_reference(x: torch.Tensor, y: torch.Tensor) -> tuple[list[float], dict[s
 
 
 def train(
-    strategy: ds.Strategy, x: torch.Tensor, y: torch.Tensor, on_step: Callable[[int], None]
+    strategy: ds.Strategy,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    on_step: Callable[[int], None],
+    hidden: int = 32,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The same training under `strategy`, written once as in the README."""
-    reference = mlp()
+    """The same training under `strategy`, written once as in the README (``hidden``:
+    another width gives programs no other test compiled)."""
+    reference = mlp(hidden=hidden)
     with strategy.scope():
-        model = mlp()
+        model = mlp(hidden=hidden)
         model.load_state_dict(reference.state_dict())  # XLA's RNG initializes differently
         opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
 
@@ -127,3 +134,42 @@ def assert_same_history(got: dict[str, list[float]], want: dict[str, list[float]
     torch.testing.assert_close(
         torch.tensor(got["loss"]), torch.tensor(want["loss"]), atol=1e-5, rtol=0
     )
+
+
+def initial_weights(strategy: ds.Strategy, seed: int = 3) -> dict[str, torch.Tensor]:
+    """The weights a model built in `strategy`'s scope starts from (on the CPU)."""
+    torch.manual_seed(seed)
+    with strategy.scope():
+        model = torch.nn.Sequential(torch.nn.Linear(5, 2), torch.nn.LayerNorm(2))
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def written_once(strategy: ds.Strategy, steps: int = 5) -> dict[str, torch.Tensor]:
+    """Training written once, as in the README: the model is built in the scope from a
+    seed (no weights copied in), plain host tensors are passed to `run`."""
+    x, y = data(steps * GLOBAL_BATCH)
+    torch.manual_seed(11)
+    with strategy.scope():
+        model = mlp(seed=11)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        per_example = torch.nn.functional.cross_entropy(model(xb), yb, reduction="none")
+        loss = ds.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    for batch in strategy.experimental_distribute_dataset(loader(x, y)):
+        strategy.run(step, args=batch)
+    # A plain host tensor passed to `run` reaches the replica's device.
+    probe = strategy.run(lambda t: model(t).sum(), args=(torch.ones(2, 8),))
+    float(strategy.reduce("sum", probe, axis=None))
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, atol=1e-5, rtol=0, msg=name)

@@ -11,10 +11,14 @@ from _common import (
     GLOBAL_BATCH,
     assert_close_to_reference,
     assert_same_history,
+    assert_same_weights,
     cpu_reference,
     data,
     fit_history,
+    initial_weights,
+    mlp,
     train,
+    written_once,
 )
 
 import distribute as ds
@@ -146,8 +150,14 @@ def test_split_to_logical_devices_checks_its_dimensions() -> None:
     assignment = ds.tpu.DeviceAssignment.build(topology, [1, 1, 1, 2], num_replicas=2)
     strategy = ds.TPUStrategy(experimental_device_assignment=assignment)
     t = torch.ones(4, 6)
-    assert strategy.experimental_split_to_logical_devices(t, [1, 2]) is t
-    assert strategy.experimental_replicate_to_logical_devices(t) is t
+    # Replica mode: a replica runs on its first core; an XLA tensor comes back as it
+    # is, a host tensor on the replica's device (as `run` places a plain argument).
+    on_device = t.to("xla:0")
+    assert strategy.experimental_split_to_logical_devices(on_device, [1, 2]) is on_device
+    assert strategy.experimental_replicate_to_logical_devices(on_device) is on_device
+    placed = strategy.run(lambda: strategy.experimental_split_to_logical_devices(t, [1, 2]))
+    assert [x.device.index for x in strategy.experimental_local_results(placed)] == [0, 2]
+    assert torch.equal(strategy.experimental_replicate_to_logical_devices(t).cpu(), t)
     with pytest.raises(ValueError, match="has 1 entries but the tensor has rank 2"):
         strategy.experimental_split_to_logical_devices(t, [2])
     with pytest.raises(ValueError, match=r"partition_dimensions\[1\]=4 does not divide"):
@@ -182,3 +192,79 @@ def test_fit_matches_fit_under_the_default_strategy(strategy: ds.TPUStrategy) ->
     compiles: list[int] = []
     assert_same_history(fit_history(strategy, compiles), fit_history(ds.get_strategy()))
     assert len(compiles) == 10 and compiles[9] == compiles[8], compiles
+
+
+# -- placement (issue #22): written once, the same numbers as on the CPU ------------------
+
+
+def test_the_same_seed_gives_the_default_strategy_s_initial_weights(
+    strategy: ds.TPUStrategy,
+) -> None:
+    # Parameters placed on xla:k when registered drew from XLA's generator.
+    want = initial_weights(ds.get_strategy())
+    got = initial_weights(strategy)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
+def test_training_written_once_matches_the_default_strategy(strategy: ds.TPUStrategy) -> None:
+    assert_same_weights(written_once(strategy), written_once(ds.get_strategy()))
+
+
+def test_plain_host_tensors_passed_to_run_reach_every_replica_s_device(
+    strategy: ds.TPUStrategy,
+) -> None:
+    with strategy.scope():
+        layer = torch.nn.Linear(5, 2)
+    out = strategy.run(lambda x: (x.device, layer(x)), args=(torch.ones(3, 5),))
+    devices = [d for d, _ in strategy.experimental_local_results(out)]
+    assert devices == DEVICES
+
+
+def test_a_module_built_on_the_meta_device_is_materialized_on_every_device(
+    strategy: ds.TPUStrategy,
+) -> None:
+    reference = mlp(seed=4)
+    with strategy.scope():
+        with torch.device("meta"):
+            model = mlp(seed=4)
+        model.to_empty(device="cpu")
+        model.load_state_dict(reference.state_dict())
+    weight = model[0].weight
+    assert isinstance(weight, ds.MirroredVariable)
+    assert [t.device for t in weight.values] == DEVICES
+    for t in weight.values:
+        assert torch.equal(t.cpu(), reference[0].weight.detach())
+
+
+def test_a_cast_after_the_scope_reaches_every_device(strategy: ds.TPUStrategy) -> None:
+    with strategy.scope():
+        layer = torch.nn.Linear(5, 2)
+    layer.double()
+    layer.to(DEVICES[0])  # where replica 0's copy already is: nothing moves
+    assert [(t.device, t.dtype) for t in layer.weight.values] == [
+        (d, torch.float64) for d in DEVICES
+    ]
+    out = strategy.run(lambda x: layer(x), args=(torch.ones(1, 5, dtype=torch.float64),))
+    assert {t.dtype for t in strategy.experimental_local_results(out)} == {torch.float64}
+
+
+@pytest.mark.parametrize("last", [12, 13], ids=["12_rows_one_new_shape", "13_rows_4_3_3_3"])
+def test_a_partial_last_batch_compiles_one_program_per_shape_not_per_device(
+    strategy: ds.TPUStrategy, last: int
+) -> None:
+    # 20 full batches of 16 (4 per device) and a partial one. Each new per-replica
+    # shape needs the gradients' transfer and the step: 2 programs, whatever the
+    # number of devices (device 0 compiled its own copies before: 7 more in all).
+    x, y = data(20 * GLOBAL_BATCH + last)
+    before = xla.compile_count()
+    counts: list[int] = []
+    train_steps = train(
+        strategy, x, y, on_step=lambda i: counts.append(xla.compile_count()), hidden=16 + last
+    )
+    assert len(train_steps[0]) == 21
+    assert counts[19] == counts[2], counts  # full batches reuse their programs
+    # The full batches' programs (a width no other test uses): the first step's two,
+    # and the step once momentum exists; per new shape of the last batch, two more.
+    assert counts[19] - before <= 3, (before, counts)
+    assert counts[20] - counts[19] <= 2, counts

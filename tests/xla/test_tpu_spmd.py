@@ -15,10 +15,13 @@ from _common import (
     GLOBAL_BATCH,
     assert_close_to_reference,
     assert_same_history,
+    assert_same_weights,
     cpu_reference,
     data,
     fit_history,
+    initial_weights,
     train,
+    written_once,
 )
 
 import distribute as ds
@@ -190,3 +193,31 @@ def test_a_long_loader_loop_compiles_nothing_after_its_first_steps(
     assert counts[-1] == counts[2], counts
     for got, want in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(got.detach().cpu(), want.detach(), atol=1e-4, rtol=0)
+
+
+# -- placement (issue #22): written once, the same numbers as on the CPU ------------------
+
+
+def test_the_same_seed_gives_the_default_strategy_s_initial_weights(
+    strategy: ds.TPUStrategy,
+) -> None:
+    want = initial_weights(ds.get_strategy())
+    got = initial_weights(strategy)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
+def test_training_written_once_matches_the_default_strategy(strategy: ds.TPUStrategy) -> None:
+    assert_same_weights(written_once(strategy), written_once(ds.get_strategy()))
+
+
+def test_plain_host_tensors_reach_the_program_s_device(strategy: ds.TPUStrategy) -> None:
+    with strategy.scope():
+        layer = torch.nn.Linear(5, 2)
+    out = strategy.run(lambda x: layer(x), args=(torch.ones(4, 5),))
+    assert out.device.type == "xla"
+    host = torch.ones(4, 6)
+    split = strategy.experimental_split_to_logical_devices(host, [1, 1])
+    replicated = strategy.experimental_replicate_to_logical_devices(host)
+    for placed in (split, replicated):
+        assert placed.device.type == "xla" and torch.equal(placed.cpu(), host)
