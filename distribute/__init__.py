@@ -67,7 +67,7 @@ from distribute.strategies.multi_worker_mirrored import MultiWorkerMirroredStrat
 from distribute.strategies.one_device import OneDeviceStrategy
 from distribute.strategies.parameter_server import ParameterServerStrategy, Server
 from distribute.strategies.tpu import TPUStrategy
-from distribute.training import Model, callbacks, metrics
+from distribute.training import Model, callbacks, metrics, optimizers
 from distribute.values import DistributedValues, Mirrored, PerReplica
 from distribute.variables import (
     DistributedVariable,
@@ -130,6 +130,7 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "metrics",
+    "optimizers",
     "scale_regularization_loss",
     "tpu",
     "training",

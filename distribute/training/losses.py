@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from distribute.errors import InvalidArgumentError
+from distribute.training import optimizers
 
 __all__ = [
     "BinaryCrossentropy",
@@ -169,31 +170,15 @@ def get(identifier: Any) -> PerExampleLoss:
     raise InvalidArgumentError(f"cannot make a loss of {identifier!r}")
 
 
-_OPTIMIZERS: dict[str, Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]] = {
-    # Keras's default learning rates.
-    "sgd": lambda p: torch.optim.SGD(p, lr=0.01),
-    "adam": lambda p: torch.optim.Adam(p, lr=1e-3, eps=1e-7),
-    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3, eps=1e-7, weight_decay=0.004),
-    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, alpha=0.9, eps=1e-7),
-    "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-3, initial_accumulator_value=0.1),
-    "adamax": lambda p: torch.optim.Adamax(p, lr=1e-3, eps=1e-7),
-    "nadam": lambda p: torch.optim.NAdam(p, lr=1e-3, eps=1e-7),
-}
-
-
 def get_optimizer(identifier: Any, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """An optimizer of ``parameters`` from a Keras name (Keras's defaults), an optimizer
-    already made on them, or a callable ``parameters -> optimizer``."""
+    """An optimizer of ``parameters`` from a Keras name (Keras's update rule and
+    defaults: `distribute.training.optimizers`), an optimizer already made on them
+    (kept as it is: a ``torch.optim`` optimizer keeps torch's rule), or a callable
+    ``parameters -> optimizer``."""
     if isinstance(identifier, torch.optim.Optimizer):
         return identifier
     if isinstance(identifier, str):
-        factory = _OPTIMIZERS.get(identifier.lower())
-        if factory is None:
-            raise InvalidArgumentError(
-                f"unknown optimizer {identifier!r}; known: {sorted(_OPTIMIZERS)}, a "
-                "torch.optim optimizer, or a function of the parameters making one"
-            )
-        return factory(parameters)
+        return optimizers.get(identifier, parameters)
     if callable(identifier):
         optimizer = identifier(parameters)
         if isinstance(optimizer, torch.optim.Optimizer):

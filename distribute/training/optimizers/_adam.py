@@ -1,0 +1,479 @@
+"""Keras 3's moment-based optimizers: Adam, AdamW, Adamax, Nadam, Lion, Adafactor.
+
+Each `_update` is the Keras optimizer's ``update_step`` for one parameter, in the
+same order of operations (``keras/src/optimizers/<name>.py``); the base class does
+the clipping, weight decay and step counting (NOTE [Keras's step, in torch]).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.optim.optimizer import ParamsT
+
+from distribute.errors import InvalidArgumentError
+from distribute.training.optimizers._base import KerasOptimizer, resolve_lr, slot
+
+__all__ = ["Adafactor", "Adam", "AdamW", "Adamax", "Lion", "Nadam"]
+
+
+class Adam(KerasOptimizer):
+    """Keras 3's Adam: epsilon added to ``sqrt(v)`` BEFORE the bias correction.
+
+    ``var -= m * lr * sqrt(1 - beta_2**t) / (1 - beta_1**t) / (sqrt(v) + epsilon)``
+    (torch's ``Adam`` adds epsilon after the correction: for a first gradient of
+    1e-7, Keras steps -3.07e-5 and torch -5.0e-4). With ``amsgrad``, ``v`` is the
+    running maximum of ``v``.
+
+    Args:
+        params: parameters or param groups.
+        lr: the learning rate (Keras's ``learning_rate``, also accepted).
+        beta_1: decay of the first moment.
+        beta_2: decay of the second moment.
+        epsilon: added to ``sqrt(v)``.
+        amsgrad: use the maximum of the second moments so far.
+        weight_decay: ``var -= var * weight_decay * lr`` before each update (None: off).
+        clipnorm: clip each gradient to this norm.
+        clipvalue: clip each gradient's elements to ``[-clipvalue, clipvalue]``.
+        global_clipnorm: clip all gradients together to this global norm.
+        learning_rate: Keras's name of ``lr``.
+
+    Example:
+        >>> import torch, distribute as ds
+        >>> p = torch.nn.Parameter(torch.zeros(1))
+        >>> opt = ds.optimizers.Adam([p])
+        >>> p.grad = torch.tensor([1e-7])
+        >>> opt.step()
+        >>> round(p.item(), 9)
+        -3.0653e-05
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | None = None,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        amsgrad: bool = False,
+        weight_decay: float | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        *,
+        learning_rate: float | None = None,
+    ) -> None:
+        defaults = {
+            "lr": resolve_lr(lr, learning_rate, 1e-3),
+            "beta_1": beta_1,
+            "beta_2": beta_2,
+            "epsilon": epsilon,
+            "amsgrad": amsgrad,
+            "weight_decay": weight_decay,
+            "clipnorm": clipnorm,
+            "clipvalue": clipvalue,
+            "global_clipnorm": global_clipnorm,
+        }
+        super().__init__(params, defaults)
+
+    def _update(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        step: int,
+    ) -> None:
+        beta_1, beta_2 = group["beta_1"], group["beta_2"]
+        alpha = group["lr"] * math.sqrt(1 - beta_2**step) / (1 - beta_1**step)
+        m, v = slot(state, "momentum", p), slot(state, "velocity", p)
+        m.add_((grad - m).mul_(1 - beta_1))
+        v.add_((grad.square() - v).mul_(1 - beta_2))
+        if group["amsgrad"]:
+            v_hat = slot(state, "velocity_hat", p)
+            torch.maximum(v_hat, v, out=v_hat)
+            v = v_hat
+        p.sub_((m * alpha).div_(v.sqrt().add_(group["epsilon"])))
+
+
+class AdamW(Adam):
+    """Keras 3's AdamW: `Adam` with ``weight_decay`` 0.004 by default (decoupled:
+    ``var -= var * weight_decay * lr`` before the Adam update).
+
+    Args:
+        params: parameters or param groups.
+        lr: the learning rate (Keras's ``learning_rate``, also accepted).
+        weight_decay: the decay; None is refused, as in Keras.
+        beta_1: decay of the first moment.
+        beta_2: decay of the second moment.
+        epsilon: added to ``sqrt(v)``.
+        amsgrad: use the maximum of the second moments so far.
+        clipnorm: clip each gradient to this norm.
+        clipvalue: clip each gradient's elements to ``[-clipvalue, clipvalue]``.
+        global_clipnorm: clip all gradients together to this global norm.
+        learning_rate: Keras's name of ``lr``.
+
+    Example:
+        >>> import torch, distribute as ds
+        >>> p = torch.nn.Parameter(torch.ones(1))
+        >>> opt = ds.optimizers.AdamW([p], lr=0.1)
+        >>> p.grad = torch.zeros(1)
+        >>> opt.step()  # decay only: 1 - 1 * 0.004 * 0.1
+        >>> round(p.item(), 6)
+        0.9996
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | None = None,
+        weight_decay: float = 0.004,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        amsgrad: bool = False,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        *,
+        learning_rate: float | None = None,
+    ) -> None:
+        if weight_decay is None:
+            raise InvalidArgumentError(
+                "AdamW's weight_decay must be a float (Keras's default is 0.004), got None: "
+                "pass a number, or use ds.optimizers.Adam for no decay"
+            )
+        super().__init__(
+            params,
+            lr,
+            beta_1,
+            beta_2,
+            epsilon,
+            amsgrad,
+            weight_decay,
+            clipnorm,
+            clipvalue,
+            global_clipnorm,
+            learning_rate=learning_rate,
+        )
+
+
+class Adamax(KerasOptimizer):
+    """Keras 3's Adamax: ``u = max(beta_2 * u, |g|)``,
+    ``var -= lr * m / ((1 - beta_1**t) * (u + epsilon))``.
+
+    Args:
+        params: parameters or param groups.
+        lr: the learning rate (Keras's ``learning_rate``, also accepted).
+        beta_1: decay of the first moment.
+        beta_2: decay of the infinity norm.
+        epsilon: added to the norm.
+        weight_decay: ``var -= var * weight_decay * lr`` before each update (None: off).
+        clipnorm: clip each gradient to this norm.
+        clipvalue: clip each gradient's elements to ``[-clipvalue, clipvalue]``.
+        global_clipnorm: clip all gradients together to this global norm.
+        learning_rate: Keras's name of ``lr``.
+
+    Example:
+        >>> import torch, distribute as ds
+        >>> p = torch.nn.Parameter(torch.zeros(1))
+        >>> opt = ds.optimizers.Adamax([p])
+        >>> p.grad = torch.ones(1)
+        >>> opt.step()
+        >>> round(p.item(), 6)
+        -0.001
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | None = None,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        weight_decay: float | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        *,
+        learning_rate: float | None = None,
+    ) -> None:
+        defaults = {
+            "lr": resolve_lr(lr, learning_rate, 1e-3),
+            "beta_1": beta_1,
+            "beta_2": beta_2,
+            "epsilon": epsilon,
+            "weight_decay": weight_decay,
+            "clipnorm": clipnorm,
+            "clipvalue": clipvalue,
+            "global_clipnorm": global_clipnorm,
+        }
+        super().__init__(params, defaults)
+
+    def _update(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        step: int,
+    ) -> None:
+        beta_1, beta_2 = group["beta_1"], group["beta_2"]
+        m, u = slot(state, "momentum", p), slot(state, "norm", p)
+        m.add_((grad - m).mul_(1 - beta_1))
+        torch.maximum(u * beta_2, grad.abs(), out=u)
+        p.sub_((m * group["lr"]).div_((u + group["epsilon"]).mul_(1 - beta_1**step)))
+
+
+class Nadam(KerasOptimizer):
+    """Keras 3's Nadam (Dozat's, with the momentum schedule
+    ``u_t = beta_1 * (1 - 0.5 * 0.96**t)`` and its running product ``u_product``).
+
+    Args:
+        params: parameters or param groups.
+        lr: the learning rate (Keras's ``learning_rate``, also accepted).
+        beta_1: decay of the first moment.
+        beta_2: decay of the second moment.
+        epsilon: added to ``sqrt(v_hat)``.
+        weight_decay: ``var -= var * weight_decay * lr`` before each update (None: off).
+        clipnorm: clip each gradient to this norm.
+        clipvalue: clip each gradient's elements to ``[-clipvalue, clipvalue]``.
+        global_clipnorm: clip all gradients together to this global norm.
+        learning_rate: Keras's name of ``lr``.
+
+    Example:
+        >>> import torch, distribute as ds
+        >>> p = torch.nn.Parameter(torch.zeros(1))
+        >>> opt = ds.optimizers.Nadam([p])
+        >>> p.grad = torch.ones(1)
+        >>> opt.step()
+        >>> round(p.item(), 6)  # m_hat = 1.0628, v_hat = 1
+        -0.001063
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | None = None,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        weight_decay: float | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        *,
+        learning_rate: float | None = None,
+    ) -> None:
+        defaults = {
+            "lr": resolve_lr(lr, learning_rate, 1e-3),
+            "beta_1": beta_1,
+            "beta_2": beta_2,
+            "epsilon": epsilon,
+            "weight_decay": weight_decay,
+            "clipnorm": clipnorm,
+            "clipvalue": clipvalue,
+            "global_clipnorm": global_clipnorm,
+        }
+        super().__init__(params, defaults)
+
+    def _advance(
+        self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step: int
+    ) -> None:
+        # Keras's one `u_product` per optimizer (in the variables' dtype), advanced
+        # once per step before any update: kept per parameter here, with the counter.
+        product = state.get("u_product")
+        if product is None:
+            product = state["u_product"] = torch.tensor(1.0, dtype=p.dtype)
+        product.mul_(group["beta_1"] * (1.0 - 0.5 * 0.96**step))
+
+    def _update(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        step: int,
+    ) -> None:
+        beta_1, beta_2 = group["beta_1"], group["beta_2"]
+        u_t = beta_1 * (1.0 - 0.5 * 0.96**step)
+        u_t_1 = beta_1 * (1.0 - 0.5 * 0.96 ** (step + 1))
+        u_product_t = float(state["u_product"])
+        u_product_t_1 = u_product_t * u_t_1
+        m, v = slot(state, "momentum", p), slot(state, "velocity", p)
+        m.add_((grad - m).mul_(1 - beta_1))
+        v.add_((grad.square() - v).mul_(1 - beta_2))
+        m_hat = (m * u_t_1).div_(1 - u_product_t_1).add_(grad * (1 - u_t) / (1 - u_product_t))
+        v_hat = v / (1 - beta_2**step)
+        p.sub_((m_hat * group["lr"]).div_(v_hat.sqrt_().add_(group["epsilon"])))
+
+
+class Lion(KerasOptimizer):
+    """Keras 3's Lion: ``var -= lr * sign(beta_1 * m + (1 - beta_1) * g)``, then
+    ``m = beta_2 * m + (1 - beta_2) * g``.
+
+    Args:
+        params: parameters or param groups.
+        lr: the learning rate (Keras's ``learning_rate``, also accepted).
+        beta_1: weight of the momentum in the update's sign, in (0, 1].
+        beta_2: decay of the momentum.
+        weight_decay: ``var -= var * weight_decay * lr`` before each update (None: off).
+        clipnorm: clip each gradient to this norm.
+        clipvalue: clip each gradient's elements to ``[-clipvalue, clipvalue]``.
+        global_clipnorm: clip all gradients together to this global norm.
+        learning_rate: Keras's name of ``lr``.
+
+    Example:
+        >>> import torch, distribute as ds
+        >>> p = torch.nn.Parameter(torch.zeros(2))
+        >>> opt = ds.optimizers.Lion([p])
+        >>> p.grad = torch.tensor([0.5, -3.0])
+        >>> opt.step()
+        >>> p.tolist()
+        [-0.0010000000474974513, 0.0010000000474974513]
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | None = None,
+        beta_1: float = 0.9,
+        beta_2: float = 0.99,
+        weight_decay: float | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        *,
+        learning_rate: float | None = None,
+    ) -> None:
+        if not 0.0 < beta_1 <= 1.0:
+            raise InvalidArgumentError(
+                f"Lion's beta_1 must be in (0, 1] (else it is SignSGD), got {beta_1}"
+            )
+        defaults = {
+            "lr": resolve_lr(lr, learning_rate, 1e-3),
+            "beta_1": beta_1,
+            "beta_2": beta_2,
+            "weight_decay": weight_decay,
+            "clipnorm": clipnorm,
+            "clipvalue": clipvalue,
+            "global_clipnorm": global_clipnorm,
+        }
+        super().__init__(params, defaults)
+
+    def _update(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        step: int,
+    ) -> None:
+        beta_1, beta_2 = group["beta_1"], group["beta_2"]
+        m = slot(state, "momentum", p)
+        p.sub_(((m * beta_1).add_(grad * (1.0 - beta_1))).sign_().mul_(group["lr"]))
+        m.mul_(beta_2).add_(grad * (1.0 - beta_2))
+
+
+class Adafactor(KerasOptimizer):
+    """Keras 3's Adafactor: the second moment of a parameter of 2 or more dimensions
+    factored over its last two (row and column means), a relative step size.
+
+    The learning rate is capped at ``1 / sqrt(t)`` (Keras's ``relative_step``, which
+    Keras skips for a schedule object; a torch scheduler sets a number, so the cap
+    applies).
+
+    Args:
+        params: parameters or param groups.
+        lr: the learning rate (Keras's ``learning_rate``, also accepted).
+        beta_2_decay: the second moment's decay is ``1 - t**beta_2_decay``.
+        epsilon_1: added to the squared gradient.
+        epsilon_2: the least parameter scale.
+        clip_threshold: the update's RMS is clipped to this.
+        relative_step: cap the learning rate at ``1 / sqrt(t)``.
+        weight_decay: ``var -= var * weight_decay * lr`` before each update (None: off).
+        clipnorm: clip each gradient to this norm.
+        clipvalue: clip each gradient's elements to ``[-clipvalue, clipvalue]``.
+        global_clipnorm: clip all gradients together to this global norm.
+        learning_rate: Keras's name of ``lr``.
+
+    Example:
+        >>> import torch, distribute as ds
+        >>> p = torch.nn.Parameter(torch.ones(2, 2))
+        >>> opt = ds.optimizers.Adafactor([p])
+        >>> p.grad = torch.ones(2, 2)
+        >>> opt.step()
+        >>> round(p[0, 0].item(), 6)
+        0.999
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | None = None,
+        beta_2_decay: float = -0.8,
+        epsilon_1: float = 1e-30,
+        epsilon_2: float = 1e-3,
+        clip_threshold: float = 1.0,
+        relative_step: bool = True,
+        weight_decay: float | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        *,
+        learning_rate: float | None = None,
+    ) -> None:
+        defaults = {
+            "lr": resolve_lr(lr, learning_rate, 1e-3),
+            "beta_2_decay": beta_2_decay,
+            "epsilon_1": epsilon_1,
+            "epsilon_2": epsilon_2,
+            "clip_threshold": clip_threshold,
+            "relative_step": relative_step,
+            "weight_decay": weight_decay,
+            "clipnorm": clipnorm,
+            "clipvalue": clipvalue,
+            "global_clipnorm": global_clipnorm,
+        }
+        super().__init__(params, defaults)
+
+    def _update(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        step: int,
+    ) -> None:
+        lr = group["lr"]
+        if group["relative_step"]:
+            lr = min(lr, 1 / math.sqrt(step))
+        rho_t = min(lr, 1 / math.sqrt(step))
+        alpha_t = torch.clamp(_rms(p), min=group["epsilon_2"]) * rho_t
+        squared = grad.square().add_(group["epsilon_1"])
+        beta_2_t = 1 - float(step) ** group["beta_2_decay"]
+        v = slot(state, "velocity", p)
+        if p.dim() >= 2:
+            r = _factor(state, "r", p.shape[:-1], p)
+            c = _factor(state, "c", (*p.shape[:-2], p.shape[-1]), p)
+            r.mul_(beta_2_t).add_(squared.mean(dim=-1) * (1 - beta_2_t))
+            c.mul_(beta_2_t).add_(squared.mean(dim=-2) * (1 - beta_2_t))
+            v.copy_((r / r.mean(dim=-1, keepdim=True)).unsqueeze(-1) * c.unsqueeze(-2))
+        else:
+            v.mul_(beta_2_t).add_(squared * (1 - beta_2_t))
+        u_t = grad / v.sqrt()
+        u_t_hat = u_t / torch.clamp(_rms(u_t) / group["clip_threshold"], min=1.0)
+        p.sub_(u_t_hat * alpha_t)
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    return x.square().mean().sqrt()
+
+
+def _factor(state: dict[str, Any], name: str, shape: Any, p: torch.Tensor) -> torch.Tensor:
+    value = state.get(name)
+    if value is None:
+        value = state[name] = p.new_zeros(shape)
+    return value

@@ -1,0 +1,400 @@
+"""Keras 3's SGD and accumulator optimizers: SGD, RMSprop, Adagrad, Adadelta, Ftrl.
+
+Each `_update` is the Keras optimizer's ``update_step`` for one parameter, in the
+same order of operations (``keras/src/optimizers/<name>.py``); the base class does
+the clipping, weight decay and step counting (NOTE [Keras's step, in torch]).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.optim.optimizer import ParamsT
+
+from distribute.errors import InvalidArgumentError
+from distribute.training.optimizers._base import KerasOptimizer, resolve_lr, slot
+
+__all__ = ["SGD", "Adadelta", "Adagrad", "Ftrl", "RMSprop"]
+
+
+class SGD(KerasOptimizer):
+    """Keras 3's SGD: the momentum holds the learning rate,
+    ``m = momentum * m - lr * g; var += m`` (Nesterov:
+    ``var += momentum * m - lr * g``), where torch's keeps ``lr`` outside the buffer
+    (the same numbers while ``lr`` is constant, not once a schedule changes it).
+
+    Args:
+        params: parameters or param groups.
+        lr: the learning rate (Keras's ``learning_rate``, also accepted).
+        momentum: a float in [0, 1]; 0 keeps no momentum.
+        nesterov: Nesterov momentum.
+        weight_decay: ``var -= var * weight_decay * lr`` before each update (None: off).
+        clipnorm: clip each gradient to this norm.
+        clipvalue: clip each gradient's elements to ``[-clipvalue, clipvalue]``.
+        global_clipnorm: clip all gradients together to this global norm.
+        learning_rate: Keras's name of ``lr``.
+
+    Example:
+        >>> import torch, distribute as ds
+        >>> p = torch.nn.Parameter(torch.zeros(1))
+        >>> opt = ds.optimizers.SGD([p], momentum=0.9)
+        >>> for _ in range(2):
+        ...     p.grad = torch.ones(1)
+        ...     opt.step()
+        >>> round(p.item(), 6)  # -0.01, then -0.01 * 0.9 - 0.01
+        -0.029
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | None = None,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        *,
+        learning_rate: float | None = None,
+    ) -> None:
+        if not 0.0 <= momentum <= 1.0:
+            raise InvalidArgumentError(f"SGD's momentum must be in [0, 1], got {momentum}")
+        defaults = {
+            "lr": resolve_lr(lr, learning_rate, 0.01),
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "weight_decay": weight_decay,
+            "clipnorm": clipnorm,
+            "clipvalue": clipvalue,
+            "global_clipnorm": global_clipnorm,
+        }
+        super().__init__(params, defaults)
+
+    def _update(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        step: int,
+    ) -> None:
+        lr, momentum = group["lr"], group["momentum"]
+        if momentum == 0:
+            p.sub_(grad * lr)
+            return
+        m = slot(state, "momentum", p)
+        m.mul_(momentum).sub_(grad * lr)
+        if group["nesterov"]:
+            p.add_((m * momentum).sub_(grad * lr))
+        else:
+            p.add_(m)
+
+
+class RMSprop(KerasOptimizer):
+    """Keras 3's RMSprop: epsilon INSIDE the square root,
+    ``var -= lr * g / sqrt(v + epsilon)`` (torch's adds it outside), with
+    ``v = rho * v + (1 - rho) * g**2``; ``centered`` subtracts the squared mean
+    gradient; ``momentum`` accumulates the increments.
+
+    Args:
+        params: parameters or param groups.
+        lr: the learning rate (Keras's ``learning_rate``, also accepted).
+        rho: decay of the squared-gradient average.
+        momentum: momentum of the increments (0: none).
+        epsilon: added to the average before the square root.
+        centered: divide by the variance estimate rather than the second moment.
+        weight_decay: ``var -= var * weight_decay * lr`` before each update (None: off).
+        clipnorm: clip each gradient to this norm.
+        clipvalue: clip each gradient's elements to ``[-clipvalue, clipvalue]``.
+        global_clipnorm: clip all gradients together to this global norm.
+        learning_rate: Keras's name of ``lr``.
+
+    Example:
+        >>> import torch, distribute as ds
+        >>> p = torch.nn.Parameter(torch.zeros(1))
+        >>> opt = ds.optimizers.RMSprop([p])
+        >>> p.grad = torch.ones(1)
+        >>> opt.step()
+        >>> round(p.item(), 6)  # -0.001 / sqrt(0.1 + 1e-7)
+        -0.003162
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | None = None,
+        rho: float = 0.9,
+        momentum: float = 0.0,
+        epsilon: float = 1e-7,
+        centered: bool = False,
+        weight_decay: float | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        *,
+        learning_rate: float | None = None,
+    ) -> None:
+        defaults = {
+            "lr": resolve_lr(lr, learning_rate, 1e-3),
+            "rho": rho,
+            "momentum": momentum,
+            "epsilon": epsilon,
+            "centered": centered,
+            "weight_decay": weight_decay,
+            "clipnorm": clipnorm,
+            "clipvalue": clipvalue,
+            "global_clipnorm": global_clipnorm,
+        }
+        super().__init__(params, defaults)
+
+    def _update(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        step: int,
+    ) -> None:
+        rho, momentum, epsilon = group["rho"], group["momentum"], group["epsilon"]
+        velocity = slot(state, "velocity", p)
+        velocity.mul_(rho).add_(grad.square().mul_(1 - rho))
+        if group["centered"]:
+            average = slot(state, "average_gradient", p)
+            average.mul_(rho).add_(grad * (1 - rho))
+            denominator = (velocity - average.square()).add_(epsilon)
+        else:
+            denominator = velocity + epsilon
+        increment = (grad * group["lr"]).div_(denominator.sqrt_())
+        if momentum > 0:
+            buffer = slot(state, "momentum", p)
+            buffer.mul_(momentum).add_(increment)
+            p.sub_(buffer)
+        else:
+            p.sub_(increment)
+
+
+class Adagrad(KerasOptimizer):
+    """Keras 3's Adagrad: ``acc += g**2; var -= lr * g / sqrt(acc + epsilon)``, the
+    accumulator starting at ``initial_accumulator_value``.
+
+    Args:
+        params: parameters or param groups.
+        lr: the learning rate (Keras's ``learning_rate``, also accepted).
+        initial_accumulator_value: the accumulator's starting value.
+        epsilon: added to the accumulator before the square root.
+        weight_decay: ``var -= var * weight_decay * lr`` before each update (None: off).
+        clipnorm: clip each gradient to this norm.
+        clipvalue: clip each gradient's elements to ``[-clipvalue, clipvalue]``.
+        global_clipnorm: clip all gradients together to this global norm.
+        learning_rate: Keras's name of ``lr``.
+
+    Example:
+        >>> import torch, distribute as ds
+        >>> p = torch.nn.Parameter(torch.zeros(1))
+        >>> opt = ds.optimizers.Adagrad([p])
+        >>> p.grad = torch.ones(1)
+        >>> opt.step()
+        >>> round(p.item(), 6)  # -0.001 / sqrt(0.1 + 1 + 1e-7)
+        -0.000953
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | None = None,
+        initial_accumulator_value: float = 0.1,
+        epsilon: float = 1e-7,
+        weight_decay: float | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        *,
+        learning_rate: float | None = None,
+    ) -> None:
+        defaults = {
+            "lr": resolve_lr(lr, learning_rate, 1e-3),
+            "initial_accumulator_value": initial_accumulator_value,
+            "epsilon": epsilon,
+            "weight_decay": weight_decay,
+            "clipnorm": clipnorm,
+            "clipvalue": clipvalue,
+            "global_clipnorm": global_clipnorm,
+        }
+        super().__init__(params, defaults)
+
+    def _update(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        step: int,
+    ) -> None:
+        accumulator = slot(state, "accumulator", p, group["initial_accumulator_value"])
+        accumulator.add_(grad.square())
+        p.sub_((grad * group["lr"]).div_((accumulator + group["epsilon"]).sqrt_()))
+
+
+class Adadelta(KerasOptimizer):
+    """Keras 3's Adadelta: ``delta = -g * sqrt(acc_delta + eps) / sqrt(acc_g + eps)``
+    after updating ``acc_g``, then ``acc_delta``, then ``var += lr * delta``.
+
+    Args:
+        params: parameters or param groups.
+        lr: the learning rate (Keras's ``learning_rate``, also accepted).
+        rho: decay of both accumulators.
+        epsilon: added inside the square roots.
+        weight_decay: ``var -= var * weight_decay * lr`` before each update (None: off).
+        clipnorm: clip each gradient to this norm.
+        clipvalue: clip each gradient's elements to ``[-clipvalue, clipvalue]``.
+        global_clipnorm: clip all gradients together to this global norm.
+        learning_rate: Keras's name of ``lr``.
+
+    Example:
+        >>> import torch, distribute as ds
+        >>> p = torch.nn.Parameter(torch.zeros(1))
+        >>> opt = ds.optimizers.Adadelta([p], lr=1.0)
+        >>> p.grad = torch.ones(1)
+        >>> opt.step()
+        >>> round(p.item(), 7)  # -sqrt(1e-7) / sqrt(0.05 + 1e-7)
+        -0.0014142
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | None = None,
+        rho: float = 0.95,
+        epsilon: float = 1e-7,
+        weight_decay: float | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        *,
+        learning_rate: float | None = None,
+    ) -> None:
+        defaults = {
+            "lr": resolve_lr(lr, learning_rate, 1e-3),
+            "rho": rho,
+            "epsilon": epsilon,
+            "weight_decay": weight_decay,
+            "clipnorm": clipnorm,
+            "clipvalue": clipvalue,
+            "global_clipnorm": global_clipnorm,
+        }
+        super().__init__(params, defaults)
+
+    def _update(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        step: int,
+    ) -> None:
+        rho, epsilon = group["rho"], group["epsilon"]
+        accumulated_grad = slot(state, "accumulated_grad", p)
+        accumulated_delta = slot(state, "accumulated_delta_var", p)
+        accumulated_grad.mul_(rho).add_(grad.square().mul_(1 - rho))
+        delta = -((accumulated_delta + epsilon).sqrt_().mul_(grad)).div_(
+            (accumulated_grad + epsilon).sqrt_()
+        )
+        accumulated_delta.mul_(rho).add_(delta.square().mul_(1 - rho))
+        p.add_(delta * group["lr"])
+
+
+class Ftrl(KerasOptimizer):
+    """Keras 3's FTRL-proximal (McMahan et al.), with L1, L2 and L2-shrinkage
+    regularization and ``beta``.
+
+    Args:
+        params: parameters or param groups.
+        lr: the learning rate (Keras's ``learning_rate``, also accepted).
+        learning_rate_power: <= 0; how the rate shrinks with the accumulator.
+        initial_accumulator_value: >= 0; the accumulator's starting value.
+        l1_regularization_strength: >= 0.
+        l2_regularization_strength: >= 0.
+        l2_shrinkage_regularization_strength: >= 0; applied to the gradient.
+        beta: added to the L2 strength as ``beta / (2 * lr)``.
+        weight_decay: ``var -= var * weight_decay * lr`` before each update (None: off).
+        clipnorm: clip each gradient to this norm.
+        clipvalue: clip each gradient's elements to ``[-clipvalue, clipvalue]``.
+        global_clipnorm: clip all gradients together to this global norm.
+        learning_rate: Keras's name of ``lr``.
+
+    Example:
+        >>> import torch, distribute as ds
+        >>> p = torch.nn.Parameter(torch.zeros(1))
+        >>> opt = ds.optimizers.Ftrl([p])
+        >>> p.grad = torch.ones(1)
+        >>> opt.step()
+        >>> round(p.item(), 6)  # -linear / quadratic = -1 / (sqrt(1.1) / 0.001)
+        -0.000953
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | None = None,
+        learning_rate_power: float = -0.5,
+        initial_accumulator_value: float = 0.1,
+        l1_regularization_strength: float = 0.0,
+        l2_regularization_strength: float = 0.0,
+        l2_shrinkage_regularization_strength: float = 0.0,
+        beta: float = 0.0,
+        weight_decay: float | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        *,
+        learning_rate: float | None = None,
+    ) -> None:
+        if learning_rate_power > 0.0:
+            raise InvalidArgumentError(
+                f"Ftrl's learning_rate_power must be <= 0, got {learning_rate_power}"
+            )
+        for name, value in (
+            ("initial_accumulator_value", initial_accumulator_value),
+            ("l1_regularization_strength", l1_regularization_strength),
+            ("l2_regularization_strength", l2_regularization_strength),
+            ("l2_shrinkage_regularization_strength", l2_shrinkage_regularization_strength),
+        ):
+            if value < 0.0:
+                raise InvalidArgumentError(f"Ftrl's {name} must be >= 0, got {value}")
+        defaults = {
+            "lr": resolve_lr(lr, learning_rate, 1e-3),
+            "learning_rate_power": learning_rate_power,
+            "initial_accumulator_value": initial_accumulator_value,
+            "l1_regularization_strength": l1_regularization_strength,
+            "l2_regularization_strength": l2_regularization_strength,
+            "l2_shrinkage_regularization_strength": l2_shrinkage_regularization_strength,
+            "beta": beta,
+            "weight_decay": weight_decay,
+            "clipnorm": clipnorm,
+            "clipvalue": clipvalue,
+            "global_clipnorm": global_clipnorm,
+        }
+        super().__init__(params, defaults)
+
+    def _update(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        step: int,
+    ) -> None:
+        lr, power = group["lr"], -group["learning_rate_power"]
+        l1 = group["l1_regularization_strength"]
+        l2 = group["l2_regularization_strength"] + group["beta"] / (2.0 * lr)
+        shrinkage = group["l2_shrinkage_regularization_strength"]
+        accumulator = slot(state, "accumulator", p, group["initial_accumulator_value"])
+        linear = slot(state, "linear", p)
+        grad_to_use = grad + p * (2 * shrinkage)
+        new_accumulator = accumulator + grad.square()
+        linear.add_(grad_to_use - (new_accumulator.pow(power) - accumulator.pow(power)) / lr * p)
+        quadratic = new_accumulator.pow(power) / lr + 2 * l2
+        p.copy_((linear.clamp(-l1, l1) - linear) / quadratic)
+        accumulator.copy_(new_accumulator)
