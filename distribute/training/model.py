@@ -19,15 +19,23 @@ metrics are sync-on-read sums (`distribute.training.metrics`): every strategy
 logs the numbers of one device. `train_step`, `test_step` and `predict_step` run
 inside ``run`` and may be overridden, as in Keras.
 
+Modes, as Keras's ``training`` argument: `evaluate`, `predict` and `fit`'s
+validation switch every submodule to eval mode for their duration and restore
+each one's own mode after (an exception included), so BatchNorm normalizes with,
+and keeps, its running statistics. `fit` trains in the mode the modules are in
+(a new module's is training), so a submodule a user froze with ``.eval()`` stays
+frozen.
+
 ParameterServer and TPU strategies plug in at `_run_step` (schedule the step on a
 coordinator, or mark an XLA step) when they exist.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -429,7 +437,11 @@ class Model(torch.nn.Module):
         return_dict: bool = False,
     ) -> float | list[float] | dict[str, float]:
         """The loss (and metrics) over the data: a scalar without metrics, else a list
-        in `metrics_names` order, or a dict with ``return_dict``."""
+        in `metrics_names` order, or a dict with ``return_dict``.
+
+        The network runs in eval mode (Keras's ``training=False``: BatchNorm uses and
+        keeps its running statistics, dropout is off); every submodule's mode is
+        restored after, as for `predict` and `fit`'s validation."""
         self._require_compiled("evaluate")
         data = adapt(self._ds_strategy, x, y, sample_weight, batch_size, shuffle=False)
         bar = ProgressBar(verbose, self._is_chief, "test")
@@ -441,6 +453,12 @@ class Model(torch.nn.Module):
         return values[0] if len(values) == 1 else values
 
     def _evaluate_data(
+        self, data: Data, steps: int | None, hooks: CallbackList
+    ) -> dict[str, float]:
+        with self._inference_mode():
+            return self._evaluate_batches(data, steps, hooks)
+
+    def _evaluate_batches(
         self, data: Data, steps: int | None, hooks: CallbackList
     ) -> dict[str, float]:
         self._reset_metrics()
@@ -467,22 +485,38 @@ class Model(torch.nn.Module):
         callbacks: Sequence[Callback] | None = None,
     ) -> Any:
         """Every example's prediction, in input order (a NumPy array; a list or dict
-        of them for several outputs), gathered from every replica and worker."""
+        of them for several outputs), gathered from every replica and worker.
+
+        The network runs in eval mode (Keras's ``training=False``), every
+        submodule's mode restored after."""
         data = adapt(self._ds_strategy, x, None, None, batch_size, shuffle=False)
         bar = ProgressBar(verbose, self._is_chief, "predict")
         hooks = CallbackList([*(callbacks or ()), bar], self, {"steps": steps or data.steps})
         hooks.on_predict_begin()
         outputs: list[Any] = []
         strategy = self._ds_strategy
-        for step, batch in enumerate(itertools.islice(data.dataset, steps)):
-            hooks.on_predict_batch_begin(step)
-            per_replica = self._run_step(self.predict_step, batch, None)
-            outputs.append(map_structure(lambda t: strategy.gather(t, axis=0), per_replica))
-            hooks.on_predict_batch_end(step, {})
+        with self._inference_mode():
+            for step, batch in enumerate(itertools.islice(data.dataset, steps)):
+                hooks.on_predict_batch_begin(step)
+                per_replica = self._run_step(self.predict_step, batch, None)
+                outputs.append(map_structure(lambda t: strategy.gather(t, axis=0), per_replica))
+                hooks.on_predict_batch_end(step, {})
         hooks.on_predict_end()
         if not outputs:
             raise InvalidArgumentError("predict got no data")
         return _concatenate(outputs)
+
+    @contextlib.contextmanager
+    def _inference_mode(self) -> Iterator[None]:
+        """Every submodule in eval mode (Keras's ``training=False``: BatchNorm's running
+        statistics, no dropout), each one's own mode restored after, errors included."""
+        modes = [(module, module.training) for module in self.modules()]
+        self.eval()
+        try:
+            yield
+        finally:
+            for module, training in modes:
+                module.training = training
 
     # -- for callbacks ----------------------------------------------------------------------
 

@@ -57,6 +57,21 @@ def _model() -> ds.Model:
     return model
 
 
+def _batchnorm_model() -> ds.Model:
+    """Linear-BatchNorm-Linear, seeded, with running statistics that differ from any
+    batch's (so a forward in training mode gives other numbers)."""
+    torch.manual_seed(INIT_SEED)
+    network = torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, CLASSES)
+    )
+    with torch.no_grad():
+        network[1].running_mean.fill_(0.5)
+        network[1].running_var.fill_(4.0)
+    model = ds.Model(network)
+    model.compile(optimizer="sgd", loss=torch.nn.CrossEntropyLoss())
+    return model
+
+
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A detached copy of the model's parameters and buffers."""
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -99,8 +114,23 @@ def _evaluate_predict_worker(
     predictions = model.predict(px, batch_size=predict_batch, verbose=0)
     rows = np.arange(n_predict * 2, dtype=np.float32).reshape(n_predict, 2)
     echoed = identity.predict(rows, batch_size=predict_batch, verbose=0)
+    with strategy.scope():
+        normalized = _batchnorm_model()
+    before = _state(normalized)
+    normalized.evaluate(x, y, batch_size=BATCH, verbose=0)
+    normalized_predictions = normalized.predict(px, batch_size=predict_batch, verbose=0)
     strategy.shutdown()
-    return {"evaluate": evaluated, "predict": predictions, "echoed": echoed}
+    return {
+        "evaluate": evaluated,
+        "predict": predictions,
+        "echoed": echoed,
+        "batchnorm": {
+            "before": before,
+            "after": _state(normalized),
+            "predict": normalized_predictions,
+            "training": [m.training for m in normalized.modules()],
+        },
+    }
 
 
 def _progress_worker() -> dict[str, str]:
@@ -224,13 +254,14 @@ def test_fit_matches_one_device_with_an_uneven_last_batch(
 
 
 @pytest.mark.parametrize("local_replicas", [1, 2], ids=["2x1", "2x2"])
-def test_evaluate_is_exact_and_predict_returns_every_row_once_in_order(
+def test_evaluate_is_exact_and_predict_returns_every_row_once_in_order_in_eval_mode(
     local_replicas: int,
 ) -> None:
     """evaluate: 21 examples in batches of 8 (last: 5, split 3/2 or 2/1/1/1) give the
     loss and accuracy of one device over all examples; predict: 21 rows in batches
     of 4 (last: 1 row, so some replicas get none) come back once each, in input
-    order, on every worker."""
+    order, on every worker. Both run in eval mode: a BatchNorm network's predictions
+    are an eval-mode forward's, its buffers unchanged, its mode restored."""
     n_eval, n_predict = 21, 21
     results = launch.run(
         _evaluate_predict_worker, 2, args=(local_replicas, n_eval, n_predict, 4), timeout=150
@@ -255,6 +286,16 @@ def test_evaluate_is_exact_and_predict_returns_every_row_once_in_order(
         np.testing.assert_array_equal(out["echoed"], rows)  # each row once, in order
         assert out["predict"].shape == (n_predict, CLASSES)
         np.testing.assert_allclose(out["predict"], predictions, rtol=0, atol=1e-6)
+    with torch.random.fork_rng():
+        normalized = _batchnorm_model().eval()
+    with torch.no_grad():
+        expected = normalized(torch.as_tensor(px).float()).numpy()
+    for out in results:
+        batchnorm = out["batchnorm"]
+        for key, value in batchnorm["before"].items():
+            torch.testing.assert_close(batchnorm["after"][key], value, rtol=0, atol=0, msg=key)
+        assert all(batchnorm["training"])
+        np.testing.assert_allclose(batchnorm["predict"], expected, rtol=0, atol=1e-6)
 
 
 def test_only_the_chief_prints_progress() -> None:

@@ -449,3 +449,111 @@ def test_a_probability_loss_given_logits_warns_once() -> None:
     with pytest.warns(UserWarning, match="from_logits=True") as caught:
         model.fit(x, y, batch_size=8, epochs=2, verbose=0)
     assert len([w for w in caught if "from_logits" in str(w.message)]) == 1
+
+
+# -- evaluate, predict and validation run in eval mode (#23, item 4) ---------------------
+
+
+def _batchnorm_network() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8),
+        torch.nn.BatchNorm1d(8),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.5),
+        torch.nn.Linear(8, 3),
+    )
+
+
+def _buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.named_buffers()}
+
+
+class _ModeRecorder(ds.callbacks.Callback):
+    """Records each submodule's mode during validation, and the BatchNorm buffers
+    at its start and end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.modes: list[set[bool]] = []
+        self.buffers: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
+        self._start: dict[str, torch.Tensor] = {}
+
+    def on_test_begin(self, logs: Any = None) -> None:
+        self._start = _buffers(self.model)
+
+    def on_test_batch_begin(self, batch: int, logs: Any = None) -> None:
+        self.modes.append({m.training for m in self.model.modules()})
+
+    def on_test_end(self, logs: Any = None) -> None:
+        self.buffers.append((self._start, _buffers(self.model)))
+
+
+@pytest.mark.parametrize(
+    "name", ["default", "one_device", "mirrored_2", "mirrored_4", "central_storage"]
+)
+def test_predict_evaluate_and_validation_run_in_eval_mode_and_restore_the_mode(
+    name: str,
+) -> None:
+    """Keras's training=False: after fit of a BatchNorm network, predict equals an
+    eval-mode forward, and neither predict, evaluate nor fit's validation changes a
+    buffer; every submodule's own mode comes back, a frozen one included."""
+    make = (
+        (lambda: ds.MirroredStrategy(["cpu:0", "cpu:1"]))
+        if name == "mirrored_2"
+        else STRATEGY_FACTORIES[name]
+    )
+    strategy = make()
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = ds.Model(_batchnorm_network())
+    model.compile("sgd", torch.nn.CrossEntropyLoss())
+    x, y = _data(40)
+    recorder = _ModeRecorder()
+    model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=2,
+        validation_data=(x[:16], y[:16]),
+        callbacks=[recorder],
+        verbose=0,
+    )
+    assert recorder.modes and all(modes == {False} for modes in recorder.modes)
+    for start, end in recorder.buffers:
+        for key in start:
+            torch.testing.assert_close(end[key], start[key], rtol=0, atol=0, msg=key)
+    assert all(m.training for m in model.modules())  # fit went on training after validation
+
+    model.module[3].eval()  # a user's frozen submodule stays frozen
+    trained = _buffers(model)
+    predictions = model.predict(x, batch_size=8, verbose=0)
+    model.evaluate(x, y, batch_size=8, verbose=0)
+    for key, value in _buffers(model).items():
+        torch.testing.assert_close(value, trained[key], rtol=0, atol=0, msg=key)
+    assert [m.training for m in model.modules()] == [True, True, True, True, True, False, True]
+
+    twin = _batchnorm_network()
+    twin.load_state_dict({k: v.detach().clone() for k, v in model.module.state_dict().items()})
+    with torch.no_grad():
+        expected = twin.eval()(torch.as_tensor(x)).numpy()
+    np.testing.assert_allclose(predictions, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_mode_is_restored_when_predict_or_evaluate_raises() -> None:
+    class Boom(ds.callbacks.Callback):
+        def on_predict_batch_end(self, batch: int, logs: Any = None) -> None:
+            raise RuntimeError("boom")
+
+        def on_test_batch_end(self, batch: int, logs: Any = None) -> None:
+            raise RuntimeError("boom")
+
+    with ds.MirroredStrategy(["cpu:0", "cpu:1"]).scope():
+        model = ds.Model(_batchnorm_network())
+    model.compile("sgd", torch.nn.CrossEntropyLoss())
+    x, y = _data(16)
+    with pytest.raises(RuntimeError, match="boom"):
+        model.predict(x, batch_size=8, verbose=0, callbacks=[Boom()])
+    assert all(m.training for m in model.modules())
+    with pytest.raises(RuntimeError, match="boom"):
+        model.evaluate(x, y, batch_size=8, verbose=0, callbacks=[Boom()])
+    assert all(m.training for m in model.modules())
