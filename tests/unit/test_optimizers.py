@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import distribute as ds
-from distribute.training.optimizers import _adam, _classic
+from distribute.training.optimizers import _adam, _base, _classic
 
 # -- Keras 3's formulas, in NumPy --------------------------------------------------------
 
@@ -424,7 +424,9 @@ def test_misuse_says_what_to_do() -> None:
     assert ds.optimizers.RMSprop(p, learning_rate=0.2).param_groups[0]["lr"] == 0.2
 
 
-@pytest.mark.parametrize("module", [_adam, _classic, ds.optimizers], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module", [_adam, _base, _classic, ds.optimizers], ids=lambda m: m.__name__
+)
 def test_the_docstring_examples_hold(module: Any) -> None:
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

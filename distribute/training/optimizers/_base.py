@@ -75,6 +75,17 @@ class KerasOptimizer(torch.optim.Optimizer):
     Args:
         params: parameters or param groups, as for any torch optimizer.
         defaults: every hyperparameter's default (``lr`` among them).
+
+    Example:
+        >>> import torch, distribute as ds
+        >>> p = torch.nn.Parameter(torch.ones(2))
+        >>> opt = ds.optimizers.SGD([p], lr=0.1, weight_decay=0.5)
+        >>> isinstance(opt, torch.optim.Optimizer)
+        True
+        >>> p.grad = torch.ones(2)
+        >>> opt.step()  # decay first: 1 - 1 * 0.5 * 0.1, then - 0.1 * 1
+        >>> [round(v, 6) for v in p.tolist()], opt.state[p]["step"].item()
+        ([0.85, 0.85], 1.0)
     """
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
@@ -152,7 +163,7 @@ def _clip(work: list[tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor
     ``global_clipnorm``'s norm is over every gradient of the optimizer, as Keras's.
     """
     norm: torch.Tensor | None = None
-    for index, (group, pairs) in enumerate(work):
+    for group, pairs in work:
         clipnorm, clipvalue = group["clipnorm"], group["clipvalue"]
         global_clipnorm = group["global_clipnorm"]
         if clipnorm and clipnorm > 0:
@@ -170,7 +181,6 @@ def _clip(work: list[tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor
             pairs[:] = [(p, g * scale.to(g.dtype)) for p, g in pairs]
         elif clipvalue and clipvalue > 0:
             pairs[:] = [(p, g.clamp(-clipvalue, clipvalue)) for p, g in pairs]
-        work[index] = (group, pairs)
 
 
 def _clip_by_norm(grad: torch.Tensor, clipnorm: float) -> torch.Tensor:
