@@ -39,7 +39,8 @@ processes instead of nine (the parts of a module share one), CUDA-only checks
 reporting "skipped: no CUDA"; its figures mean nothing. Without ``--dry-run`` a
 machine without CUDA runs nothing and exits 2.
 
-Exit status: 0 when no part failed, 1 when one did, 2 without CUDA (not a dry run).
+Exit status: 0 when no part and no set-up step failed, 1 when one did (the parts run from
+the checkout even when the install failed), 2 without CUDA (not a dry run).
 """
 
 from __future__ import annotations
@@ -130,6 +131,11 @@ class Run:
             kind: sum(s.startswith(kind) for s in statuses)
             for kind in ("passed", "failed", "skipped")
         }
+        self.report["summary"]["setup_failed"] = [
+            name
+            for name, step in self.report["setup"].items()
+            if step["status"].startswith("failed")
+        ]
         tmp = self.report_path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self.report, indent=1, default=str))
         os.replace(tmp, self.report_path)
@@ -455,6 +461,8 @@ def summary(run: Run) -> str:
         f"device_check {run.report['mode']}: {run.report['summary']}, "
         f"{run.report['duration_seconds']} s; report {run.report_path}"
     ]
+    for name, step in run.report["setup"].items():
+        lines.append(f"  setup {name:10} {step['status'][:200]}")
     env = run.report["environment"]
     lines.append(
         f"  on {env.get('device_name')} (torch {env.get('torch')}, CUDA {env.get('cuda')})"
@@ -521,7 +529,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(summary(run), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return 1 if run.report["summary"]["failed"] else 0
+    failed = run.report["summary"]["failed"] or run.report["summary"]["setup_failed"]
+    return 1 if failed else 0
 
 
 def _has_cuda(env: dict[str, str]) -> bool:
