@@ -28,6 +28,7 @@ run on the CPU, the same code.
 from __future__ import annotations
 
 import collections
+import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -44,6 +45,7 @@ from _check_common import (
     train_step,
 )
 from _check_common import batches as make_batches
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import distribute as ds
@@ -68,6 +70,7 @@ OP_SYNCS = (
     "aten::repeat_interleave",
 )
 STEP = "device_check_step"
+_API = re.compile(r"cu(da)?[A-Z]")  # CUDA runtime (cudaX) and driver (cuX) calls
 WARMUP = 3
 GLOBAL_BATCH = 16
 IMAGE = (3, 8, 8)
@@ -139,7 +142,9 @@ def count(ctx: Context, run: Callable[[], None], steps: int) -> dict[str, Any]:
             with record_function(STEP):
                 run()
     ctx.sync()
-    events = list(prof.events())
+    # Host-side events only: kernels, and the GPU's copy of each record_function range
+    # (same name), run on the device's clock.
+    events = [e for e in prof.events() if e.device_type == DeviceType.CPU]
     ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name == STEP]
     if len(ranges) != steps:
         raise RuntimeError(f"the profiler recorded {len(ranges)} step ranges, expected {steps}")
@@ -159,12 +164,12 @@ def count(ctx: Context, run: Callable[[], None], steps: int) -> dict[str, Any]:
         "op_syncs_per_step": sum(names[n] for n in OP_SYNCS) / steps,
         "per_step": per_step,
         "cuda_calls_per_step": {
-            n: round(c / steps, 2) for n, c in sorted(names.items()) if n.startswith("cu")
+            n: round(c / steps, 2) for n, c in sorted(names.items()) if _API.match(n)
         },
         "cuda_calls_whole_profile": {
             n: c
             for n, c in sorted(collections.Counter(e.name for e in events).items())
-            if n.startswith("cu")
+            if _API.match(n)
         },
         "aten_ops_per_step": round(
             sum(c for n, c in names.items() if n.startswith("aten::")) / steps, 1
