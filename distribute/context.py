@@ -132,9 +132,7 @@ class ReplicaContext:
         """Raises `ContextError` unless this replica context is the running one."""
         top = _top()
         if top is None:
-            from distribute.strategies.default import DefaultStrategy
-
-            if isinstance(self._strategy, DefaultStrategy):
+            if self._strategy is _default_strategy():
                 return  # the default replica context, outside any scope
         elif top.replica_context is self:
             return
@@ -227,10 +225,28 @@ def _scope_depth(strategy: Strategy) -> int:
     return sum(1 for e in _state.stack if e.strategy is strategy and e.replica_context is None)
 
 
-def _default_strategy() -> Strategy:
-    from distribute.strategies.default import _default_strategy_singleton
+#: Makes the default strategy (registered by `distribute.strategies.default`, which the
+#: package imports): the context sits below the strategies and names none of them.
+_default_factory: list[Callable[[], Strategy]] = []
 
-    return _default_strategy_singleton()
+
+def register_default_strategy(factory: Callable[[], Strategy]) -> None:
+    """Sets what `get_strategy()` returns outside any scope (the strategies layer calls it).
+
+    Example::
+
+        register_default_strategy(lambda: MY_DEFAULT_STRATEGY)
+    """
+    _default_factory[:] = [factory]
+
+
+def _default_strategy() -> Strategy:
+    if not _default_factory:
+        raise ContextError(
+            "no default strategy is registered; import distribute (not only "
+            "distribute.context), which registers it"
+        )
+    return _default_factory[0]()
 
 
 def get_strategy() -> Strategy:
@@ -249,10 +265,8 @@ def get_strategy() -> Strategy:
 
 def has_strategy() -> bool:
     """Whether a non-default strategy is current."""
-    from distribute.strategies.default import DefaultStrategy
-
     top = _top()
-    return top is not None and not isinstance(top.strategy, DefaultStrategy)
+    return top is not None and top.strategy is not _default_strategy()
 
 
 def in_cross_replica_context() -> bool:

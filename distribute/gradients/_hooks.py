@@ -44,8 +44,8 @@ from distribute.errors import InvalidArgumentError, MixedStrategyError
 from distribute.variables import DistributedVariable
 
 if TYPE_CHECKING:
+    from distribute.gradients.base import RunningStrategy as Strategy
     from distribute.gradients.base import StepHandler
-    from distribute.strategies.base import Strategy
 
 __all__ = ["forget_early_sums", "sum_before_step"]
 

@@ -37,7 +37,7 @@ from distribute.collectives.packing import pack_by_bytes, slot_views
 from distribute.variables import DistributedVariable
 
 if TYPE_CHECKING:
-    from distribute.strategies._replicated import ReplicatedExtended
+    from distribute.gradients.base import ReplicaGroup
 
 __all__ = ["LocalSum"]
 
@@ -68,7 +68,7 @@ class LocalSum:
         variables: the optimizer's variables of that strategy.
     """
 
-    def __init__(self, ext: ReplicatedExtended, variables: Sequence[DistributedVariable]) -> None:
+    def __init__(self, ext: ReplicaGroup, variables: Sequence[DistributedVariable]) -> None:
         self._ext = ext
         self._variables = list(variables)
         devices = ext._devices

@@ -19,7 +19,7 @@ import torch
 from distribute.variables import _local_replica
 
 if TYPE_CHECKING:
-    from distribute.strategies._replicated import ReplicatedExtended
+    from distribute.gradients.base import ReplicaGroup
 
 __all__ = ["PerReplicaState"]
 
@@ -32,7 +32,7 @@ class PerReplicaState(collections.defaultdict):  # type: ignore[type-arg]
     the step]), those tensors are keys for their variables' entries.
     """
 
-    def __init__(self, existing: dict[Any, Any], ext: ReplicatedExtended) -> None:
+    def __init__(self, existing: dict[Any, Any], ext: ReplicaGroup) -> None:
         super().__init__(dict)
         self._strategy = ext._container_strategy
         self._keys = threading.local()

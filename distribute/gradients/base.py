@@ -10,15 +10,61 @@ to the ps tasks instead; an XLA handler would reduce them in the graph.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    import torch
     from torch.optim import Optimizer
 
+    from distribute.collectives.base import CrossWorker
     from distribute.variables import DistributedVariable
 
-__all__ = ["GradientSum", "StepHandler"]
+__all__ = ["GradientSum", "ReplicaGroup", "RunningStrategy", "StepHandler"]
+
+
+class RunningStrategy(Protocol):
+    """A strategy as the optimizer hooks see it: its size and its handler's owner."""
+
+    @property
+    def num_replicas_in_sync(self) -> int: ...
+
+    @property
+    def extended(self) -> Any: ...
+
+
+class ReplicaGroup(Protocol):
+    """What the synchronous handler and the in-process sum need of a replicated
+    strategy's engine (`strategies._replicated.ReplicatedExtended` provides it): its
+    local replicas, their meeting point, the workers, and the switches users set.
+
+    The gradient layer names no strategy class: new strategies plug in by providing
+    this, or a `StepHandler` of their own.
+    """
+
+    _devices: tuple[torch.device, ...]
+    _central: bool
+    _cross_worker: CrossWorker | None
+    _num_workers: int
+    _bytes_per_pack: int
+    _no_sync_depth: int
+    _skip_grads: threading.local
+    _layout_generation: int
+    _captures_modules: bool
+    experimental_aggregate_gradients: bool
+
+    @property
+    def _container_strategy(self) -> Any: ...
+
+    @property
+    def _num_local(self) -> int: ...
+
+    def _num_replicas_in_sync(self) -> int: ...
+
+    def _exchange(
+        self, local: int, kind: str, payload: Any, combine: Callable[[list[Any]], Any]
+    ) -> Any: ...
 
 
 class StepHandler(Protocol):

@@ -42,7 +42,7 @@ from distribute.gradients.base import GradientSum
 if TYPE_CHECKING:
     from torch.optim import Optimizer
 
-    from distribute.strategies._replicated import ReplicatedExtended
+    from distribute.gradients.base import ReplicaGroup
     from distribute.variables import DistributedVariable
 
 __all__ = ["SynchronousStepHandler"]
@@ -55,7 +55,7 @@ class SynchronousStepHandler:
         ext: the strategy's extended object.
     """
 
-    def __init__(self, ext: ReplicatedExtended) -> None:
+    def __init__(self, ext: ReplicaGroup) -> None:
         self._ext_ref = weakref.ref(ext)
         self._sums: weakref.WeakKeyDictionary[Optimizer, tuple[tuple[int, ...], GradientSum]] = (
             weakref.WeakKeyDictionary()
@@ -65,7 +65,7 @@ class SynchronousStepHandler:
         self._plain: weakref.WeakKeyDictionary[Optimizer, bool] = weakref.WeakKeyDictionary()
 
     @property
-    def _ext(self) -> ReplicatedExtended:
+    def _ext(self) -> ReplicaGroup:
         ext = self._ext_ref()
         assert ext is not None
         return ext

@@ -36,7 +36,7 @@ from distribute._enums import ReduceOp, VariableAggregation
 from distribute.collectives.packing import slot_views
 
 if TYPE_CHECKING:
-    from distribute.strategies._replicated import CrossWorker
+    from distribute.collectives.base import CrossWorker
     from distribute.variables import DistributedVariable
 
 __all__ = ["BufferSync"]

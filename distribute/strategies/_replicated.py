@@ -4,37 +4,41 @@
 N > 1, inline when N == 1) and, optionally, several workers joined by a
 cross-process collective object. OneDevice, Mirrored, CentralStorage,
 MultiWorkerMirrored and the default strategy are configurations of it.
+
+It keeps the replicas, the run and the variables' lifecycle, and composes the rest:
+`VariablePlacement` (where variables live, `_placement.py`), `ReplicaCollectives`
+(collectives inside `run`, `_replica_collectives.py`), `CrossReplicaReductions`
+(`reduce`, `gather`, ..., `_cross_replica.py`), `BufferSync` (`_buffer_sync.py`)
+and the gradient layer's `SynchronousStepHandler`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import operator
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from distribute import context
 from distribute._enums import ReduceOp, VariableAggregation, VariableSynchronization
-from distribute.collectives._shapes import check_axis, check_matching_shapes
-from distribute.collectives.packing import PackedTensors, pack_tensors, sum_packs, unpack_tensors
+from distribute.collectives.base import CrossWorker
 from distribute.context import ReplicaContext
 from distribute.errors import (
-    CollectiveMismatchError,
     ContextError,
     InvalidArgumentError,
 )
 from distribute.strategies._buffer_sync import BufferSync
+from distribute.strategies._cross_replica import CrossReplicaReductions
 from distribute.strategies._devices import parse_device
 from distribute.strategies._placement import VariablePlacement
+from distribute.strategies._replica_collectives import ReplicaCollectives
 from distribute.strategies._replica_threads import Rendezvous, ReplicaThreads
 from distribute.strategies.base import StrategyExtended
 from distribute.values import (
-    DistributedValues,
     Mirrored,
     PerReplica,
     flatten,
@@ -57,36 +61,6 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_TIMEOUT_SECONDS", "CrossWorker", "ReplicatedExtended", "parse_device"]
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
-
-
-class CrossWorker(Protocol):
-    """The cross-process collectives a multi-worker strategy plugs in."""
-
-    def all_reduce(
-        self,
-        tensors: Sequence[torch.Tensor],
-        op: ReduceOp,
-        *,
-        name: str,
-        bytes_per_pack: int = 0,
-        check: bool = True,
-        in_place: bool = False,
-    ) -> list[torch.Tensor]: ...
-
-    def all_gather(self, tensor: torch.Tensor, axis: int, *, name: str) -> torch.Tensor: ...
-
-    def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0, *, name: str) -> None: ...
-
-    def all_reduce_int(self, value: int, name: str) -> int: ...
-
-    def check_same(self, signature: Any, *, name: str) -> None: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    def all_reduce_async(
-        self, tensors: Sequence[torch.Tensor], op: ReduceOp, *, name: str
-    ) -> Any: ...
 
 
 class ReplicatedExtended(StrategyExtended):
@@ -156,6 +130,8 @@ class ReplicatedExtended(StrategyExtended):
         self._buffers: list[tuple[weakref.ref[DistributedVariable], list[Any]]] = []
         self._pending_broadcast: list[DistributedVariable] = []
         self._placement = VariablePlacement(self)
+        self._collectives = ReplicaCollectives(self)
+        self._reductions = CrossReplicaReductions(self)
         # Bumped when a variable's shape or dtype changes (`.data = t`, `.to(dtype)`),
         # so that per-optimizer gradient sums laid out for the old ones are rebuilt.
         self._layout_generation = 0
@@ -484,29 +460,6 @@ class ReplicatedExtended(StrategyExtended):
         finally:
             super()._exit_scope()
 
-    def _read_sync_on_read(self, var: DistributedVariable) -> torch.Tensor:
-        components = [var._plain_component(i) for i in range(self._num_local)]
-        aggregation = var._ds_aggregation
-        if aggregation is VariableAggregation.NONE:
-            raise InvalidArgumentError(
-                "a SyncOnReadVariable with NONE aggregation cannot be read in cross-replica "
-                "context (its replicas' values have no combined meaning); give it SUM, MEAN "
-                "or ONLY_FIRST_REPLICA aggregation, or read it inside `run`"
-            )
-        if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
-            first = components[0].clone()
-            if self._cross_worker is not None:
-                self._cross_worker.broadcast([first], 0, name="SyncOnReadVariable read")
-            return first
-        total = _sum_to(components, self._meet_device)
-        if self._cross_worker is not None:
-            total = self._cross_worker.all_reduce(
-                [total], ReduceOp.SUM, name="SyncOnReadVariable read"
-            )[0]
-        if aggregation is VariableAggregation.MEAN:
-            total = total / self._num_replicas_in_sync()
-        return total
-
     def _skip_grads_in_this_replica(self) -> bool:
         return bool(getattr(self._skip_grads, "value", False))
 
@@ -546,7 +499,7 @@ class ReplicatedExtended(StrategyExtended):
             return tuple(results)
         return regroup(results, Mirrored)
 
-    # -- collectives in replica context -------------------------------------------------
+    # -- collectives in replica context (`_replica_collectives.py`) ----------------------
 
     def _exchange(
         self, local: int, kind: str, payload: Any, combine: Callable[[list[Any]], Any]
@@ -569,135 +522,16 @@ class ReplicatedExtended(StrategyExtended):
 
         return self._rendezvous.exchange(local, (kind, payload), checked, kind)
 
-    def _all_reduce_tensors(
-        self, local: int, op: ReduceOp, tensors: Sequence[torch.Tensor], name: str
-    ) -> list[torch.Tensor]:
-        """All-reduces `tensors` over every replica; returns replica `local`'s copies.
-
-        Each replica packs its tensors into one buffer per dtype in its own thread
-        (the copies of different replicas overlap, outside the GIL); the last
-        replica to arrive compares the layouts (a tuple comparison per replica; the
-        tensor-by-tensor description only when they differ) and sums the buffers;
-        then each replica copies the sums to its device and cuts its copy into
-        views, again in its own thread. No Python step is taken per tensor beyond
-        reading shapes and dtypes.
-        """
-
-        def combine(packs: list[PackedTensors]) -> list[torch.Tensor]:
-            for i, pack in enumerate(packs[1:], start=1):
-                if not packs[0].same_layout(pack):
-                    raise CollectiveMismatchError(
-                        f"{name}: replica {self._global_id(0)} passed {packs[0].describe()} but "
-                        f"replica {self._global_id(i)} passed {pack.describe()}; every replica "
-                        "must pass the same structure, shapes and dtypes"
-                    )
-            totals = sum_packs(packs, self._meet_device)
-            if self._cross_worker is not None:
-                totals = self._cross_worker.all_reduce(totals, ReduceOp.SUM, name=name)
-            if op is ReduceOp.MEAN:
-                n = self._num_replicas_in_sync()
-                totals = [t / n if t.is_floating_point() else t.double() / n for t in totals]
-            return totals  # read by every replica, written by none
-
-        with torch.no_grad():
-            packed = pack_tensors(tensors)
-        totals: list[torch.Tensor] = self._exchange(local, f"all_reduce {name}", packed, combine)
-        device = self._devices[local]
-        own = [t.to(device, copy=True) for t in totals]
-        return unpack_tensors(own, packed.shapes, packed.groups)
-
     def _replica_all_reduce(self, replica_ctx: ReplicaContext, op: ReduceOp, value: Any) -> Any:
-        if self._num_replicas_in_sync() == 1:
-            return value
-        local = replica_ctx.local_replica_id
-        # A tensor, or a plain list or tuple of tensors (the common cases): no nest walk.
-        if type(value) is torch.Tensor:
-            return self._all_reduce_leaves(local, op, [value])[0]
-        if type(value) in (list, tuple) and set(map(type, value)) <= {torch.Tensor}:
-            return type(value)(self._all_reduce_leaves(local, op, list(value)))
-        leaves = flatten(value)
-        outs = self._all_reduce_leaves(local, op, [torch.as_tensor(leaf) for leaf in leaves])
-        results = [
-            out if isinstance(leaf, torch.Tensor) else out.item() for leaf, out in zip(leaves, outs)
-        ]
-        return pack_sequence_as(value, results)
-
-    def _all_reduce_leaves(
-        self, local: int, op: ReduceOp, tensors: list[torch.Tensor]
-    ) -> Sequence[torch.Tensor]:
-        """`_all_reduce_tensors`, behind an autograd node only if a tensor needs a gradient.
-
-        The node has one input and one output per tensor, which costs more than the
-        reduction itself for many small tensors; with no gradient to carry it is
-        skipped.
-        """
-        if torch.is_grad_enabled() and any(map(_requires_grad, tensors)):
-            outs: tuple[torch.Tensor, ...] = _AllReduce.apply(  # type: ignore[no-untyped-call]  # autograd.Function.apply is untyped
-                self, local, op, "all_reduce", *tensors
-            )
-            return outs
-        return self._all_reduce_tensors(local, op, tensors, "all_reduce")
+        return self._collectives.all_reduce(replica_ctx, op, value)
 
     def _replica_reduce_assigned(
         self, replica_ctx: ReplicaContext, op: ReduceOp, value: Any
     ) -> torch.Tensor:
-        """The all-reduce of an aggregated variable's assigned value, refusing SUM of a
-        value that is not per replica.
-
-        As in tf.distribute, a value every local replica passes as the same object (a
-        Python number in the step's code, a tensor made outside `run`) is one value,
-        not one per replica, and summing it over the replicas would silently count it
-        N times: SUM raises (zero excepted, whose sum is unambiguous). Values the
-        replicas compute are distinct objects and are summed. With one local replica
-        the value is summed across workers, as TF's multi-worker strategy does.
-        """
-        if op is ReduceOp.SUM and self._num_local > 1:
-            local = replica_ctx.local_replica_id
-
-            def combine(values: list[Any]) -> list[bool]:
-                same = all(v is values[0] for v in values[1:])
-                return [same] * self._num_local
-
-            same: list[bool] = self._exchange(local, "assign (SUM)", value, combine)
-            if same[local] and bool(torch.as_tensor(value).detach().ne(0).any()):
-                raise InvalidArgumentError(
-                    f"a variable with SUM aggregation was assigned {_short(value)} inside "
-                    f"`run`, the same object on all {self._num_local} replicas: a "
-                    "non-distributed value cannot be reduced with SUM (it would count "
-                    f"{self._num_local} times). Assign a value each replica computes, give "
-                    "the variable MEAN or ONLY_FIRST_REPLICA aggregation, or assign it in "
-                    "cross-replica context"
-                )
-        result: torch.Tensor = self._replica_all_reduce(replica_ctx, op, torch.as_tensor(value))
-        return result
+        return self._collectives.reduce_assigned(replica_ctx, op, value)
 
     def _replica_all_gather(self, replica_ctx: ReplicaContext, value: Any, axis: int) -> Any:
-        leaves = flatten(value)
-        local = replica_ctx.local_replica_id
-        outs = []
-        for leaf in leaves:
-            tensor = torch.as_tensor(leaf)
-            check_axis(tensor, axis, "all_gather")
-            outs.append(_AllGather.apply(self, local, axis % tensor.dim(), tensor))  # type: ignore[no-untyped-call]  # autograd.Function.apply is untyped
-        return pack_sequence_as(value, outs)
-
-    def _all_gather_tensor(
-        self, local: int, tensor: torch.Tensor, axis: int, name: str
-    ) -> tuple[torch.Tensor, list[int]]:
-        def combine(per_replica: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[int]]]:
-            check_matching_shapes(per_replica, axis, name, self._global_id)
-            gathered = torch.cat([t.to(self._meet_device) for t in per_replica], dim=axis)
-            sizes = [int(t.shape[axis]) for t in per_replica]
-            if self._cross_worker is not None:
-                sizes_t = torch.tensor(sizes, dtype=torch.int64)
-                sizes = self._cross_worker.all_gather(sizes_t, 0, name=f"{name} sizes").tolist()
-                gathered = self._cross_worker.all_gather(gathered, axis, name=name)
-            return [(gathered.to(d, copy=True), sizes) for d in self._devices]
-
-        results: list[tuple[torch.Tensor, list[int]]] = self._exchange(
-            local, name, tensor.detach(), combine
-        )
-        return results[local]
+        return self._collectives.all_gather(replica_ctx, value, axis)
 
     def _replica_merge_call(
         self,
@@ -706,147 +540,30 @@ class ReplicatedExtended(StrategyExtended):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        strategy = self._container_strategy
-
-        def run_merge(merge_args: Any, merge_kwargs: Any) -> Any:
-            with context._push(strategy, None, in_merge=True):
-                return merge_fn(strategy, *merge_args, **merge_kwargs)
-
-        if self._rendezvous is None:
-            return run_merge(args, kwargs)
-
-        def combine(per_replica: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> Any:
-            merged_args = regroup([a for a, _ in per_replica])
-            merged_kwargs = regroup([k for _, k in per_replica])
-            return run_merge(merged_args, merged_kwargs)
-
-        local = replica_ctx.local_replica_id
-        result = self._exchange(local, "merge_call", (args, kwargs), combine)
-        return select_replica(local, result)
+        return self._collectives.merge_call(replica_ctx, merge_fn, args, kwargs)
 
     def _replica_once(self, replica_ctx: ReplicaContext, fn: Callable[[], None]) -> None:
-        """Runs replica 0's `fn` once while every local replica waits (shared state)."""
-
-        def combine(per_replica: list[Callable[[], None]]) -> list[None]:
-            per_replica[0]()
-            return [None] * self._num_local
-
-        self._exchange(replica_ctx.local_replica_id, "shared variable write", fn, combine)
+        self._collectives.once(replica_ctx, fn)
 
     def _replica_broadcast_first(self, replica_ctx: ReplicaContext, value: torch.Tensor) -> Any:
-        def combine(per_replica: list[torch.Tensor]) -> list[torch.Tensor]:
-            first = per_replica[0].detach().clone()
-            if self._cross_worker is not None:
-                self._cross_worker.broadcast([first], 0, name="ONLY_FIRST_REPLICA assign")
-            return [first.to(d, copy=True) for d in self._devices]
+        return self._collectives.broadcast_first(replica_ctx, value)
 
-        local = replica_ctx.local_replica_id
-        results: list[torch.Tensor] = self._exchange(local, "broadcast", value, combine)
-        return results[local]
-
-    # -- cross-replica reductions -----------------------------------------------------
-
-    def _components(self, leaf: Any) -> list[Any] | None:
-        if isinstance(leaf, DistributedValues):
-            return list(leaf.values)
-        if isinstance(leaf, DistributedVariable):
-            return list(leaf.values)
-        return None
+    # -- cross-replica reductions (`_cross_replica.py`) ---------------------------------
 
     def _reduce(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
-        if isinstance(value, DistributedVariable):
-            return self._reduce_leaf(op, value, axis)
-        return pack_sequence_as(
-            value, [self._reduce_leaf(op, leaf, axis) for leaf in flatten(value)]
-        )
-
-    def _reduce_leaf(self, op: ReduceOp, leaf: Any, axis: int | None) -> Any:
-        components = self._components(leaf)
-        count_divisor: int
-        if components is None:
-            if self._num_workers == 1:
-                if op is ReduceOp.MEAN or self._num_replicas_in_sync() == 1:
-                    return leaf if axis is None else self._reduce_leaf(op, PerReplica([leaf]), axis)
-                raise InvalidArgumentError(
-                    f"reduce(SUM) of a non-distributed value ({type(leaf).__name__}) over "
-                    f"{self._num_replicas_in_sync()} replicas is ambiguous; pass the PerReplica "
-                    "that `run` returned, or use MEAN"
-                )
-            components = [leaf]  # a host value: one per worker, summed across workers (TF)
-            count_divisor = self._num_workers
-        else:
-            count_divisor = self._num_replicas_in_sync()
-        tensors = [torch.as_tensor(c) for c in components]
-        count = None
-        if axis is not None:
-            for t in tensors:
-                check_axis(t, axis, "reduce")
-            count = sum(int(t.shape[axis]) for t in tensors)
-        self._check_local_shapes(tensors, axis, "reduce")
-        if axis is not None:
-            tensors = [t.sum(dim=axis) for t in tensors]
-        total = _sum_to(tensors, self._meet_device)
-        if self._cross_worker is not None:
-            extra = [torch.tensor(float(count or 0), dtype=torch.float64)]
-            reduced = self._cross_worker.all_reduce([total, *extra], ReduceOp.SUM, name="reduce")
-            total = reduced[0]
-            count = int(reduced[1].item()) if count is not None else None
-        if op is ReduceOp.SUM:
-            return total
-        divisor = count if count is not None else count_divisor
-        if not total.is_floating_point():
-            total = total.double()
-        return total / divisor if divisor else total * float("nan")
-
-    def _check_local_shapes(
-        self, tensors: Sequence[torch.Tensor], axis: int | None, what: str
-    ) -> None:
-        """`check_matching_shapes` over this worker's replicas, made collective.
-
-        A worker whose replicas disagree still meets the other workers, in a
-        signature check that cannot match theirs, so every worker raises at once
-        (naming these shapes) instead of waiting out the timeout in the collective
-        this worker never reaches.
-        """
-        try:
-            check_matching_shapes(tensors, axis, what, self._global_id)
-        except CollectiveMismatchError as exc:
-            if self._cross_worker is not None:
-                with contextlib.suppress(CollectiveMismatchError):
-                    self._cross_worker.check_same((what, str(exc)), name=what)
-            raise
+        return self._reductions.reduce(op, value, axis)
 
     def _gather(self, value: Any, axis: int) -> Any:
-        return pack_sequence_as(value, [self._gather_leaf(leaf, axis) for leaf in flatten(value)])
-
-    def _gather_leaf(self, leaf: Any, axis: int) -> torch.Tensor:
-        components = self._components(leaf)
-        if components is None:
-            components = [leaf] * self._num_local
-        tensors = [torch.as_tensor(c) for c in components]
-        for t in tensors:
-            check_axis(t, axis, "gather")
-        axis = axis % tensors[0].dim()
-        self._check_local_shapes(tensors, axis, "gather")
-        gathered = torch.cat([t.to(self._meet_device) for t in tensors], dim=axis)
-        if self._cross_worker is not None:
-            gathered = self._cross_worker.all_gather(gathered, axis, name="gather")
-        return gathered
+        return self._reductions.gather(value, axis)
 
     def _local_results(self, value: Any) -> tuple[Any, ...]:
-        components = self._components(value)
-        if components is not None:
-            return tuple(components)
-        if isinstance(value, (list, tuple, dict)) or _is_dataclass(value):
-            return tuple(select_replica(i, value) for i in range(self._num_local))
-        return (value,)
+        return self._reductions.local_results(value)
 
     def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any) -> Any:
-        op = ReduceOp.from_value(reduce_op)
-        if self._cross_device_ops is not None and self._cross_worker is None:
-            return self._cross_device_ops.reduce(op, value, destinations)
-        reduced = self._reduce_leaf(op, value, None)
-        return _place(reduced, destinations)
+        return self._reductions.reduce_to(reduce_op, value, destinations)
+
+    def _read_sync_on_read(self, var: DistributedVariable) -> torch.Tensor:
+        return self._reductions.read_sync_on_read(var)
 
     # -- input ------------------------------------------------------------------------
 
@@ -929,84 +646,3 @@ def _gather_bytes(cross: CrossWorker, data: bytes) -> list[bytes]:
 def _shutdown_threads(holder: list[ReplicaThreads]) -> None:
     for threads in holder:
         threads.shutdown()
-
-
-def _is_dataclass(x: Any) -> bool:
-    import dataclasses
-
-    return dataclasses.is_dataclass(x) and not isinstance(x, type)
-
-
-_requires_grad = operator.attrgetter("requires_grad")
-
-
-def _sum_to(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    total = tensors[0].detach().to(device, copy=True)
-    for t in tensors[1:]:
-        total += t.detach().to(device)
-    return total
-
-
-def _short(value: Any) -> str:
-    """A value for a message: a number as itself, a tensor by its shape and dtype."""
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {list(value.shape)} ({value.dtype})"
-    return repr(value)
-
-
-def _place(value: torch.Tensor, destinations: Any) -> Any:
-    if destinations is None:
-        return value
-    if isinstance(destinations, DistributedVariable):
-        return Mirrored([value.to(c.device, copy=True) for c in destinations.values])
-    if isinstance(destinations, DistributedValues):
-        return Mirrored(
-            [value.to(torch.as_tensor(c).device, copy=True) for c in destinations.values]
-        )
-    if isinstance(destinations, torch.Tensor):
-        return value.to(destinations.device)
-    return value.to(parse_device(destinations)[1])
-
-
-class _AllReduce(torch.autograd.Function):
-    """All-reduce whose gradient is the all-reduce of the gradient (SUM: sum; MEAN: mean)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        ext: ReplicatedExtended,
-        local: int,
-        op: ReduceOp,
-        name: str,
-        *tensors: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.ext, ctx.local, ctx.op, ctx.name = ext, local, op, name
-        return tuple(ext._all_reduce_tensors(local, op, tensors, name))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ext: ReplicatedExtended = ctx.ext
-        out = ext._all_reduce_tensors(ctx.local, ctx.op, list(grads), f"{ctx.name} (backward)")
-        return (None, None, None, None, *out)
-
-
-class _AllGather(torch.autograd.Function):
-    """All-gather whose gradient is this replica's slice of the summed gradient."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, ext: ReplicatedExtended, local: int, axis: int, tensor: torch.Tensor
-    ) -> torch.Tensor:
-        gathered, sizes = ext._all_gather_tensor(local, tensor, axis, "all_gather")
-        ctx.ext, ctx.local, ctx.axis, ctx.sizes = ext, local, axis, sizes
-        ctx.global_id = ext._global_id(local)
-        return gathered
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        ext: ReplicatedExtended = ctx.ext
-        summed = ext._all_reduce_tensors(ctx.local, ReduceOp.SUM, [grad], "all_gather (backward)")[
-            0
-        ]
-        offset = sum(ctx.sizes[: ctx.global_id])
-        return (None, None, None, summed.narrow(ctx.axis, offset, ctx.sizes[ctx.global_id]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+from distribute import context
 from distribute.strategies._replicated import ReplicatedExtended
 from distribute.strategies.base import Strategy, StrategyScope
 
@@ -49,3 +50,6 @@ class _DefaultScope(StrategyScope):
 @functools.cache
 def _default_strategy_singleton() -> DefaultStrategy:
     return DefaultStrategy()
+
+
+context.register_default_strategy(_default_strategy_singleton)

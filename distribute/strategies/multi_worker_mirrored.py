@@ -23,8 +23,8 @@ import torch
 
 from distribute import _env
 from distribute.cluster_resolver import ClusterResolver, resolve_cluster
+from distribute.collectives.options import CommunicationImplementation, CommunicationOptions
 from distribute.errors import InvalidArgumentError
-from distribute.experimental import CommunicationImplementation, CommunicationOptions
 from distribute.strategies._devices import device_list, local_gpu
 from distribute.strategies._replicated import ReplicatedExtended
 from distribute.strategies.base import Strategy

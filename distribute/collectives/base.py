@@ -1,0 +1,47 @@
+"""The cross-process collectives a multi-worker strategy plugs in (`CrossWorker`).
+
+`ProcessGroupCollectives` (process_group.py) implements it over a torch.distributed
+process group; the layers above (buffers, gradients, input, checkpoints) depend on
+this protocol only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from distribute._enums import ReduceOp
+
+__all__ = ["CrossWorker"]
+
+
+class CrossWorker(Protocol):
+    """The cross-process collectives a multi-worker strategy plugs in."""
+
+    def all_reduce(
+        self,
+        tensors: Sequence[torch.Tensor],
+        op: ReduceOp,
+        *,
+        name: str,
+        bytes_per_pack: int = 0,
+        check: bool = True,
+        in_place: bool = False,
+    ) -> list[torch.Tensor]: ...
+
+    def all_gather(self, tensor: torch.Tensor, axis: int, *, name: str) -> torch.Tensor: ...
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0, *, name: str) -> None: ...
+
+    def all_reduce_int(self, value: int, name: str) -> int: ...
+
+    def check_same(self, signature: Any, *, name: str) -> None: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def all_reduce_async(
+        self, tensors: Sequence[torch.Tensor], op: ReduceOp, *, name: str
+    ) -> Any: ...
