@@ -42,20 +42,6 @@ dead, alive but elsewhere, or not answering.
   naming both ranks. Pass ``check=False`` where the layout was checked once
   (gradient buckets do this with `check_same`).
 
-# NOTE [nccl deadlines]
-With nccl, ``Work.wait()`` only makes the current CUDA stream wait; the host goes
-on, and a stuck collective would surface much later in whatever reads a result
-(an ``.item()`` no deadline reaches). Blocking the host until each collective
-completes would cost the overlap DDP has, so instead each launched work goes to a
-`_StreamWatch`: a daemon thread that polls ``is_completed()`` every quarter
-second. A work still running at the library's deadline is diagnosed as above
-(the missing ranks named, logged at once), the group is marked broken, and its
-communicators are aborted, which frees the GPU; the next collective raises the
-diagnosis. The process group itself gets a longer timeout (twice the deadline
-plus 30 s), so that NCCL's own watchdog, which torchrun's
-``TORCH_NCCL_ASYNC_ERROR_HANDLING`` lets kill the process, fires after ours.
-Untested here (no GPU).
-
 Example::
 
     collectives = ProcessGroupCollectives.create(rank, 2, "127.0.0.1", 29500)
@@ -65,14 +51,9 @@ Example::
 
 from __future__ import annotations
 
-import collections
-import ctypes
-import datetime
 import hashlib
 import itertools
 import logging
-import socket
-import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -83,6 +64,13 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store
 
 from distribute._enums import ReduceOp
+from distribute.collectives._deadlines import SLICE, StreamWatch, grace
+from distribute.collectives._group_setup import (
+    close_group,
+    default_group_matches,
+    init_default_group,
+    store_host,
+)
 from distribute.collectives._liveness import (
     Liveness,
     Position,
@@ -91,7 +79,6 @@ from distribute.collectives._liveness import (
     local_address_towards,
     mismatch_error,
 )
-from distribute.collectives._rendezvous import rendezvous
 from distribute.collectives.packing import pack_by_bytes, slot_views
 from distribute.errors import CollectiveTimeoutError, InvalidArgumentError
 
@@ -99,40 +86,8 @@ __all__ = ["AllReduceHandle", "ProcessGroupCollectives"]
 
 logger = logging.getLogger(__name__)
 
-#: How long one wait lasts before the rank checks whether a peer gave up.
-_SLICE = datetime.timedelta(seconds=0.25)
-#: The longest time a failing rank waits for the others to answer its probe.
-_GRACE_SECONDS = 1.0
-
-
 #: torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-
-
-def _bind_torch_defaults_before_init() -> None:
-    """Imports `torch.distributed.nn.functional` while no default group exists.
-
-    Its functions take ``group=group.WORLD`` as a default argument, evaluated at
-    import, and `torch._dynamo` imports it lazily (the first optimizer does). Imported
-    after `init_process_group`, those defaults pin the default group forever, so
-    `destroy_process_group` cannot free it and gloo's worker threads outlive the
-    interpreter: one that drops a finished collective's tensors during interpreter
-    finalization needs the GIL and aborts the process ("terminate called without an
-    active exception"). Imported now, the defaults are None (the default group).
-    """
-    import torch.distributed.nn.functional  # noqa: F401
-
-
-def _store_host(store: Store) -> str:
-    """The host serving ``store`` (a TCPStore, possibly behind PrefixStores)."""
-    while isinstance(store, PrefixStore):
-        store = store.underlying_store
-    return str(getattr(store, "host", "127.0.0.1"))
-
-
-def _grace(timeout_seconds: float) -> float:
-    """The part of the timeout kept for the failure diagnosis."""
-    return min(_GRACE_SECONDS, timeout_seconds * 0.2)
 
 
 def _signature_hash(signature: Any) -> int:
@@ -195,138 +150,6 @@ class AllReduceHandle:
         return slot_views(flat, self._templates)
 
 
-def _close(
-    liveness: Liveness | None,
-    owns_group: bool,
-    group: dist.ProcessGroup | None,
-    state: list[Any],
-    launched: list[Any],
-) -> None:
-    """Stops the watcher and destroys the group (the finalizer of a collectives object)."""
-    if liveness is not None:
-        liveness.stop()
-    abandoned = not all(work.is_completed() for work in launched)
-    launched.clear()  # a work holds the group, and the group the store's server port
-    if owns_group and dist.is_initialized():
-        if state[0] is not None or abandoned:
-            # A collective was abandoned mid-flight (a peer failed, or Ctrl-C in a
-            # wait): destroying the group, or freeing it as the interpreter ends,
-            # would wait for that collective (gloo's destructor drains its queue),
-            # up to its timeout. The group is kept until the process is gone.
-            logger.debug("keeping a process group with abandoned work: %s", state[0])
-            _keep_until_exit(group if group is not None else dist.group.WORLD)
-            return
-        try:
-            dist.destroy_process_group(group)
-        except Exception:  # interpreter shutdown, or the group already broke
-            logger.debug("destroy_process_group failed", exc_info=True)
-
-
-def check_distinct_devices(
-    store: Store, rank: int, world_size: int, identity: str, timeout_seconds: float
-) -> None:
-    """Raises on every rank when two ranks would drive one GPU.
-
-    Each rank posts ``identity`` (host and GPU UUID) to the rendezvous store and
-    reads everyone's, before NCCL is initialised, whose own message for this
-    ("Duplicate GPU detected") names neither the ranks nor the fix.
-
-    Raises:
-        InvalidArgumentError: two ranks share a device (both are named).
-    """
-    store.set(f"device/{rank}", identity)
-    keys = [f"device/{r}" for r in range(world_size)]
-    store.wait(keys, datetime.timedelta(seconds=timeout_seconds))
-    owners: dict[str, int] = {}
-    for r in range(world_size):
-        seen = store.get(f"device/{r}").decode()
-        if seen in owners:
-            raise InvalidArgumentError(
-                f"ranks {owners[seen]} and {r} both use GPU {seen!r}: each worker process "
-                "needs its own GPU. Start one process per GPU (torchrun --nproc_per_node = "
-                "GPUs per host), give each its own CUDA_VISIBLE_DEVICES, or pass distinct "
-                "devices"
-            )
-        owners[seen] = r
-
-
-def device_identity(device: torch.device) -> str:
-    """``host/GPU UUID`` of a CUDA device (its index where the UUID is unknown)."""
-    properties = torch.cuda.get_device_properties(device)
-    uuid = getattr(properties, "uuid", None)
-    return f"{socket.gethostname()}/{uuid if uuid is not None else device.index}"
-
-
-def nccl_group_timeout(timeout_seconds: float) -> datetime.timedelta:
-    """The process group's own timeout under nccl: past the library's deadline
-    (NOTE [nccl deadlines]), so that the library names the missing ranks first."""
-    return datetime.timedelta(seconds=2 * timeout_seconds + 30)
-
-
-class _StreamWatch:
-    """Polls launched nccl works off the training thread (NOTE [nccl deadlines]).
-
-    Args:
-        on_overdue: a weak reference to the callback called once, from the watch
-            thread, with the first work still running past ``start + timeout``:
-            ``(position, start)``. The thread ends when its target is gone.
-        timeout: the library's deadline for one collective, in seconds.
-    """
-
-    def __init__(self, on_overdue: Any, timeout: float) -> None:
-        self._on_overdue = on_overdue
-        self._timeout = timeout
-        self._pending: collections.deque[tuple[Any, Position, float]] = collections.deque()
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._stopped = False
-
-    def add(self, work: Any, position: Position, start: float) -> None:
-        with self._lock:
-            self._pending.append((work, position, start))
-            if self._thread is None and not self._stopped:
-                self._thread = threading.Thread(
-                    target=self._run, name="distribute-nccl-watch", daemon=True
-                )
-                self._thread.start()
-
-    def stop(self) -> None:
-        self._stopped = True
-        self._wake.set()
-
-    def _run(self) -> None:
-        while not self._wake.wait(_SLICE.total_seconds()):
-            now = time.monotonic()
-            overdue = None
-            with self._lock:
-                while self._pending and self._pending[0][0].is_completed():
-                    self._pending.popleft()
-                for work, position, start in self._pending:
-                    if not work.is_completed() and now > start + self._timeout:
-                        overdue = (position, start)
-                        break
-            callback = self._on_overdue()
-            if callback is None:  # the collectives object is gone
-                return
-            if overdue is not None:
-                callback(*overdue)
-                return
-
-
-# Groups left with an abandoned collective (by id: they are never freed, so an id is
-# never reused). Such a group cannot be adopted again.
-_ABANDONED: set[int] = set()
-
-
-def _keep_until_exit(group: Any) -> None:
-    """Takes a reference to ``group`` that is never released, not even when the
-    interpreter clears modules at exit: its destructor must never run."""
-    if group is not None:
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
-        _ABANDONED.add(id(group))
-
-
 class ProcessGroupCollectives:
     """Collectives among the worker processes of one process group.
 
@@ -383,11 +206,11 @@ class ProcessGroupCollectives:
         else:
             self._device = torch.device("cpu")
         self._timeout = float(timeout_seconds)
-        self._grace = _grace(self._timeout)
+        self._grace = grace(self._timeout)
         self._sliced = backend != "nccl"
-        self._watch: _StreamWatch | None = None
+        self._watch: StreamWatch | None = None
         if not self._sliced:
-            self._watch = _StreamWatch(
+            self._watch = StreamWatch(
                 weakref.WeakMethod(self._overdue), self._timeout - self._grace
             )
         self._counter = itertools.count(1)
@@ -401,7 +224,7 @@ class ProcessGroupCollectives:
                 PrefixStore(f"distribute/{generation}/", store),
                 rank,
                 world_size,
-                host=host if host is not None else local_address_towards(_store_host(store)),
+                host=host if host is not None else local_address_towards(store_host(store)),
                 timeout=max(self._timeout, 30.0),
             )
             self._liveness.start()
@@ -410,7 +233,7 @@ class ProcessGroupCollectives:
         # Asynchronous works launched and maybe not waited for (see `_close`).
         self._launched: list[Any] = []
         self._finalizer = weakref.finalize(
-            self, _close, self._liveness, owns_group, group, self._broken, self._launched
+            self, close_group, self._liveness, owns_group, group, self._broken, self._launched
         )
 
     @classmethod
@@ -448,52 +271,19 @@ class ProcessGroupCollectives:
 
             c = ProcessGroupCollectives.create(0, 1, "127.0.0.1", 29500)
         """
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise InvalidArgumentError(
-                f"rank must be in [0, world_size={world_size}), got rank {rank}; check the "
-                "cluster resolver's RANK and WORLD_SIZE."
-            )
-        if dist.is_available() and dist.is_initialized():
-            if id(dist.group.WORLD) in _ABANDONED:
-                raise CollectiveTimeoutError(
-                    "torch.distributed's default process group broke in an earlier "
-                    "collective of this process (a peer failed, or it was interrupted), and "
-                    "it cannot be used again; restart every worker"
-                )
-            if dist.get_rank() != rank or dist.get_world_size() != world_size:
-                raise InvalidArgumentError(
-                    f"torch.distributed is already initialised as rank {dist.get_rank()} of "
-                    f"{dist.get_world_size()}, but the cluster says rank {rank} of {world_size}; "
-                    "destroy the existing group or pass a matching cluster resolver."
-                )
+        if default_group_matches(rank, world_size):
             return cls.adopt(timeout_seconds=timeout_seconds)
-        store = rendezvous(
+        store = init_default_group(
             rank,
             world_size,
             master_addr,
             master_port,
-            timeout_seconds,
+            backend=backend,
+            timeout_seconds=timeout_seconds,
             cluster=cluster,
             prefix=prefix,
             launcher_serves=launcher_serves,
-        )
-        if device is not None and device.type == "cuda" and world_size > 1:
-            check_distinct_devices(
-                store, rank, world_size, device_identity(device), max(timeout_seconds, 30.0)
-            )
-        _bind_torch_defaults_before_init()
-        group_timeout = (
-            nccl_group_timeout(timeout_seconds)
-            if backend == "nccl"
-            else datetime.timedelta(seconds=timeout_seconds)
-        )
-        dist.init_process_group(
-            backend,
-            store=PrefixStore("pg/", store),
-            rank=rank,
-            world_size=world_size,
-            timeout=group_timeout,
-            device_id=device,
+            device=device,
         )
         return cls(
             None,
@@ -611,7 +401,7 @@ class ProcessGroupCollectives:
         deadline = start + self._timeout - self._grace
         while True:
             try:
-                work.wait(_SLICE)
+                work.wait(SLICE)
                 return
             except RuntimeError as exc:
                 if work.is_completed():  # the backend failed: typically a peer died

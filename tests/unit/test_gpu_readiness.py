@@ -17,11 +17,8 @@ import pytest
 import torch
 
 import distribute as ds
-from distribute.collectives.process_group import (
-    _StreamWatch,
-    check_distinct_devices,
-    nccl_group_timeout,
-)
+from distribute.collectives._deadlines import StreamWatch, nccl_group_timeout
+from distribute.collectives._group_setup import check_distinct_devices
 from distribute.errors import InvalidArgumentError
 from distribute.strategies._devices import local_gpu
 
@@ -228,7 +225,7 @@ class _Owner:
 
 def test_a_collective_still_running_past_the_deadline_is_reported_from_the_watch_thread() -> None:
     owner = _Owner()
-    watch = _StreamWatch(weakref.WeakMethod(owner.on_overdue), timeout=0.3)
+    watch = StreamWatch(weakref.WeakMethod(owner.on_overdue), timeout=0.3)
     start = time.monotonic()
     watch.add(_Work(completed=True), (1, "all_reduce 'done'"), start)
     watch.add(_Work(completed=False), (2, "all_reduce 'stuck'"), start)
@@ -239,7 +236,7 @@ def test_a_collective_still_running_past_the_deadline_is_reported_from_the_watch
 
 def test_completed_collectives_are_never_reported_and_the_watch_stops() -> None:
     owner = _Owner()
-    watch = _StreamWatch(weakref.WeakMethod(owner.on_overdue), timeout=0.2)
+    watch = StreamWatch(weakref.WeakMethod(owner.on_overdue), timeout=0.2)
     work = _Work(completed=False)
     watch.add(work, (1, "broadcast 'x'"), time.monotonic())
     work.completed = True  # finished before the deadline

@@ -1,0 +1,205 @@
+"""Starting and ending the process group a `ProcessGroupCollectives` works over.
+
+The rendezvous (NOTE [rendezvous] in _rendezvous.py), the check that no two ranks
+drive one GPU, `init_process_group`, and the finalizer that destroys the group, or
+keeps it for good when a collective was abandoned mid-flight.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import logging
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store
+
+from distribute.collectives._deadlines import nccl_group_timeout
+from distribute.collectives._liveness import Liveness
+from distribute.collectives._rendezvous import rendezvous
+from distribute.errors import CollectiveTimeoutError, InvalidArgumentError
+
+__all__ = [
+    "check_distinct_devices",
+    "close_group",
+    "default_group_matches",
+    "device_identity",
+    "init_default_group",
+    "store_host",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def default_group_matches(rank: int, world_size: int) -> bool:
+    """Whether `torch.distributed` already has a default group for this rank and world
+    size (then it is adopted, not created).
+
+    Raises:
+        InvalidArgumentError: a bad rank, or a group initialised differently.
+        CollectiveTimeoutError: the default group broke in an earlier collective.
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise InvalidArgumentError(
+            f"rank must be in [0, world_size={world_size}), got rank {rank}; check the "
+            "cluster resolver's RANK and WORLD_SIZE."
+        )
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    if id(dist.group.WORLD) in _ABANDONED:
+        raise CollectiveTimeoutError(
+            "torch.distributed's default process group broke in an earlier "
+            "collective of this process (a peer failed, or it was interrupted), and "
+            "it cannot be used again; restart every worker"
+        )
+    if dist.get_rank() != rank or dist.get_world_size() != world_size:
+        raise InvalidArgumentError(
+            f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+            f"{dist.get_world_size()}, but the cluster says rank {rank} of {world_size}; "
+            "destroy the existing group or pass a matching cluster resolver."
+        )
+    return True
+
+
+def init_default_group(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    *,
+    backend: str,
+    timeout_seconds: float,
+    cluster: str,
+    prefix: str,
+    launcher_serves: bool,
+    device: torch.device | None,
+) -> Store:
+    """Meets the other ranks and initialises the default group; returns the store."""
+    store = rendezvous(
+        rank,
+        world_size,
+        master_addr,
+        master_port,
+        timeout_seconds,
+        cluster=cluster,
+        prefix=prefix,
+        launcher_serves=launcher_serves,
+    )
+    if device is not None and device.type == "cuda" and world_size > 1:
+        check_distinct_devices(
+            store, rank, world_size, device_identity(device), max(timeout_seconds, 30.0)
+        )
+    _bind_torch_defaults_before_init()
+    group_timeout = (
+        nccl_group_timeout(timeout_seconds)
+        if backend == "nccl"
+        else datetime.timedelta(seconds=timeout_seconds)
+    )
+    dist.init_process_group(
+        backend,
+        store=PrefixStore("pg/", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=group_timeout,
+        device_id=device,
+    )
+    return store
+
+
+def _bind_torch_defaults_before_init() -> None:
+    """Imports `torch.distributed.nn.functional` while no default group exists.
+
+    Its functions take ``group=group.WORLD`` as a default argument, evaluated at
+    import, and `torch._dynamo` imports it lazily (the first optimizer does). Imported
+    after `init_process_group`, those defaults pin the default group forever, so
+    `destroy_process_group` cannot free it and gloo's worker threads outlive the
+    interpreter: one that drops a finished collective's tensors during interpreter
+    finalization needs the GIL and aborts the process ("terminate called without an
+    active exception"). Imported now, the defaults are None (the default group).
+    """
+    import torch.distributed.nn.functional  # noqa: F401
+
+
+def store_host(store: Store) -> str:
+    """The host serving ``store`` (a TCPStore, possibly behind PrefixStores)."""
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    return str(getattr(store, "host", "127.0.0.1"))
+
+
+def close_group(
+    liveness: Liveness | None,
+    owns_group: bool,
+    group: dist.ProcessGroup | None,
+    state: list[Any],
+    launched: list[Any],
+) -> None:
+    """Stops the watcher and destroys the group (the finalizer of a collectives object)."""
+    if liveness is not None:
+        liveness.stop()
+    abandoned = not all(work.is_completed() for work in launched)
+    launched.clear()  # a work holds the group, and the group the store's server port
+    if owns_group and dist.is_initialized():
+        if state[0] is not None or abandoned:
+            # A collective was abandoned mid-flight (a peer failed, or Ctrl-C in a
+            # wait): destroying the group, or freeing it as the interpreter ends,
+            # would wait for that collective (gloo's destructor drains its queue),
+            # up to its timeout. The group is kept until the process is gone.
+            logger.debug("keeping a process group with abandoned work: %s", state[0])
+            _keep_until_exit(group if group is not None else dist.group.WORLD)
+            return
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # interpreter shutdown, or the group already broke
+            logger.debug("destroy_process_group failed", exc_info=True)
+
+
+def check_distinct_devices(
+    store: Store, rank: int, world_size: int, identity: str, timeout_seconds: float
+) -> None:
+    """Raises on every rank when two ranks would drive one GPU.
+
+    Each rank posts ``identity`` (host and GPU UUID) to the rendezvous store and
+    reads everyone's, before NCCL is initialised, whose own message for this
+    ("Duplicate GPU detected") names neither the ranks nor the fix.
+
+    Raises:
+        InvalidArgumentError: two ranks share a device (both are named).
+    """
+    store.set(f"device/{rank}", identity)
+    keys = [f"device/{r}" for r in range(world_size)]
+    store.wait(keys, datetime.timedelta(seconds=timeout_seconds))
+    owners: dict[str, int] = {}
+    for r in range(world_size):
+        seen = store.get(f"device/{r}").decode()
+        if seen in owners:
+            raise InvalidArgumentError(
+                f"ranks {owners[seen]} and {r} both use GPU {seen!r}: each worker process "
+                "needs its own GPU. Start one process per GPU (torchrun --nproc_per_node = "
+                "GPUs per host), give each its own CUDA_VISIBLE_DEVICES, or pass distinct "
+                "devices"
+            )
+        owners[seen] = r
+
+
+def device_identity(device: torch.device) -> str:
+    """``host/GPU UUID`` of a CUDA device (its index where the UUID is unknown)."""
+    properties = torch.cuda.get_device_properties(device)
+    uuid = getattr(properties, "uuid", None)
+    return f"{socket.gethostname()}/{uuid if uuid is not None else device.index}"
+
+
+# Groups left with an abandoned collective (by id: they are never freed, so an id is
+# never reused). Such a group cannot be adopted again.
+_ABANDONED: set[int] = set()
+
+
+def _keep_until_exit(group: Any) -> None:
+    """Takes a reference to ``group`` that is never released, not even when the
+    interpreter clears modules at exit: its destructor must never run."""
+    if group is not None:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+        _ABANDONED.add(id(group))
