@@ -21,7 +21,7 @@ import torch
 
 from distribute.errors import InvalidArgumentError
 
-__all__ = ["available_devices", "device_list", "local_gpu", "parse_device"]
+__all__ = ["available_devices", "default_devices", "device_list", "local_gpu", "parse_device"]
 
 
 def available_devices() -> list[str]:
@@ -124,3 +124,10 @@ def local_gpu(
         f"--nproc_per_node={device_count}), give each process its own CUDA_VISIBLE_DEVICES, "
         "or pass devices=['cpu'] to train on the CPU"
     )
+
+
+def default_devices() -> list[str]:
+    """Every visible CUDA GPU, else one CPU."""
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    return ["cpu"]

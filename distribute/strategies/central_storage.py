@@ -8,10 +8,9 @@ from collections.abc import Sequence
 import torch
 
 from distribute.errors import InvalidArgumentError
-from distribute.strategies._devices import device_list, parse_device
+from distribute.strategies._devices import default_devices, device_list, parse_device
 from distribute.strategies._replicated import ReplicatedExtended
 from distribute.strategies.base import Strategy
-from distribute.strategies.mirrored import default_devices
 
 __all__ = ["CentralStorageStrategy"]
 

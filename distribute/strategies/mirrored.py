@@ -7,18 +7,11 @@ from collections.abc import Sequence
 import torch
 
 from distribute.collectives.cross_device_ops import CrossDeviceOps
-from distribute.strategies._devices import device_list
+from distribute.strategies._devices import default_devices, device_list
 from distribute.strategies._replicated import ReplicatedExtended
 from distribute.strategies.base import Strategy
 
-__all__ = ["MirroredStrategy", "default_devices"]
-
-
-def default_devices() -> list[str]:
-    """Every visible CUDA GPU, else one CPU."""
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    return ["cpu"]
+__all__ = ["MirroredStrategy"]
 
 
 class MirroredStrategy(Strategy):
