@@ -154,6 +154,12 @@ class RecordedDraws:
         self.first_draw = random_state(self._generators)
         return next(self._batches)
 
+    def close(self) -> None:
+        """Lets go of the epoch's iterator once it has ended (a multi-process
+        DataLoader's iterator then shuts its workers down and closes its pipes at
+        once, not when the cyclic collector next runs)."""
+        self._batches = iter(())
+
     def skip_indices(self, count: int) -> bool:
         """Skips ``count`` batches of a single-process DataLoader iterator by drawing
         their indices only (the first under the recorded state); False where the

@@ -1278,29 +1278,31 @@ class DistributedDataset:
         pending: collections.deque[tuple[Any, list[Any]]] = collections.deque()
 
         def read() -> _Step | None:
+            # A loop, not a recursive call: a closure that refers to itself is a
+            # reference cycle, which kept the finished epoch's loader iterator (a
+            # DataLoader's worker processes and pipes) until the cyclic collector ran.
             nonlocal exhausted
-            if pending:
-                batch, leaves = pending.popleft()
-                return split(batch, leaves, None)
-            if exhausted:
-                return None
-            try:
-                batch = next(batches)
-            except StopIteration:
-                exhausted = True
-                return None
-            batch = _wrap_examples(batch)
-            leaves, nest = _leaves_and_nest(batch)
-            if slice_global:
-                start, stop = sharding.worker_slice(
-                    _leaves_len(leaves, batch),
-                    num_workers=workers.num_workers,
-                    local_replicas=local,
-                    worker_index=workers.worker_index,
-                )
-                leaves = _slice_leaves(leaves, start, stop)
-                nest = None
-            elif every_worker_reads_all:
+            while not pending:
+                if exhausted:
+                    return None
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    exhausted = True
+                    draws.close()  # the epoch's loader iterator goes now
+                    return None
+                batch = _wrap_examples(batch)
+                leaves, nest = _leaves_and_nest(batch)
+                if slice_global:
+                    start, stop = sharding.worker_slice(
+                        _leaves_len(leaves, batch),
+                        num_workers=workers.num_workers,
+                        local_replicas=local,
+                        worker_index=workers.worker_index,
+                    )
+                    return split(batch, _slice_leaves(leaves, start, stop), None)
+                if not every_worker_reads_all:
+                    return split(batch, leaves, nest)
                 sizes = sharding.split_sizes(
                     _leaves_len(leaves, batch), workers.num_replicas_in_sync
                 )
@@ -1308,11 +1310,8 @@ class DistributedDataset:
                     start, stop = sum(sizes[: k * local]), sum(sizes[: (k + 1) * local])
                     if stop > start:  # only a partial last batch leaves some empty
                         pending.append((batch, _slice_leaves(leaves, start, stop)))
-                if not pending:
-                    return read()
-                batch, leaves = pending.popleft()
-                nest = None
-            return split(batch, leaves, nest)
+            batch, leaves = pending.popleft()
+            return split(batch, leaves, None)
 
         def split(batch: Any, leaves: list[Any], nest: Any) -> _Step:
             if local == 1:
@@ -1346,6 +1345,7 @@ class DistributedDataset:
                 batch = next(batches)
             except StopIteration:
                 exhausted = True
+                draws.close()  # the epoch's loader iterator goes now
                 raise
             size = _flat_cpu_batch_size(batch)
             if size < 0:
