@@ -23,24 +23,26 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from distribute import context
 from distribute.checkpoint._format import (
+    CHECKSUM,
     FORMAT,
     MANIFEST,
     VERSION,
     CheckpointError,
     commit,
     complete_path,
-    files_with_sizes,
+    file_checksum,
     flatten,
     partial_path,
     prepare_partial,
     read_json,
     read_manifest,
+    seal,
     templates,
     unflatten,
     write_json,
@@ -51,6 +53,13 @@ from distribute.checkpoint._objects import (
     capture_state,
     direct_targets,
     is_per_worker,
+)
+from distribute.checkpoint._storage import (
+    VerifyingReader,
+    checksums_of,
+    object_of,
+    tensor_files,
+    tensor_index,
 )
 from distribute.errors import InvalidArgumentError
 from distribute.variables import DistributedVariable
@@ -172,26 +181,22 @@ class Checkpoint:
                 shared[name] = flatten(name, state, tensors)
         try:
             with _quiet_single_process():
-                dcp_save(
+                metadata = dcp_save(
                     {k: v.contiguous() for k, v in tensors.items()},
                     storage_writer=FileSystemWriter(partial, sync_files=False),
                     no_dist=world_size == 1,
                 )
         except (Exception, CheckpointException) as e:  # torch's is a BaseException
             raise _failure(workers, f"writing checkpoint {path}", e) from e
-        write_json(partial / f"rank-{rank}.json", {"objects": own})
+        # Every rank has DCP's index of all the files; each checksums a share of them.
+        index = tensor_index(metadata)
+        checked = checksums_of(partial, index, tensor_files(index)[rank::world_size])
+        write_json(partial / f"rank-{rank}.json", {"objects": own, "checksums": checked})
         if workers is not None:
             workers.barrier("checkpoint files written")
         if rank == 0:
-            manifest = {
-                "format": FORMAT,
-                "version": VERSION,
-                "save_counter": self.save_counter,
-                "world_size": world_size,
-                "objects": shared,
-                "files": files_with_sizes(partial),
-            }
-            write_json(partial / MANIFEST, manifest)
+            manifest = _manifest(partial, index, world_size, self.save_counter, shared)
+            write_json(partial / MANIFEST, seal(manifest))
             commit(path)
         if workers is not None:
             workers.barrier("checkpoint committed")
@@ -219,7 +224,8 @@ class Checkpoint:
                 ("checkpoint restore", str(path.resolve())), name="checkpoint restore"
             )
         path = complete_path(path)
-        manifest = read_manifest(path)
+        manifest = read_manifest(path)  # every JSON file is checked against its checksum
+        reader = VerifyingReader(path, manifest["tensors"])
         skeletons: dict[str, Any] = dict(manifest["objects"])
         own_file = f"rank-{rank}.json"
         borrowed: set[str] = set()
@@ -241,8 +247,10 @@ class Checkpoint:
                 wanted.update(direct_targets(name, obj, skeletons[name], wanted))
         try:
             with _quiet_single_process():
-                dcp_load(wanted, storage_reader=FileSystemReader(path), no_dist=world_size == 1)
+                dcp_load(wanted, storage_reader=reader, no_dist=world_size == 1)
         except (Exception, CheckpointException) as e:  # torch's is a BaseException
+            if reader.failure is not None:
+                raise reader.failure from None
             raise _failure(workers, f"reading the tensors of checkpoint {path}", e) from e
         object.__setattr__(self, "save_counter", int(manifest.get("save_counter", 0)))
         # Generators last: placing an input position draws from them.
@@ -322,10 +330,54 @@ class Checkpoint:
         return None
 
 
+def _manifest(
+    directory: Path,
+    index: dict[str, Any],
+    world_size: int,
+    save_counter: int,
+    shared: dict[str, Any],
+) -> dict[str, Any]:
+    """The manifest of the complete checkpoint files in ``directory`` (rank 0, after
+    every rank wrote its files and its share of the tensor checksums)."""
+    checked: dict[str, str] = {}
+    holds: dict[str, set[str]] = {}
+    for rank in range(world_size):
+        state = read_json(directory / f"rank-{rank}.json", "a worker's state")
+        checked.update(state["checksums"]["files"])
+        holds[f"rank-{rank}.json"] = {object_of(f"rank{rank}/{n}") for n in state["objects"]}
+        for key, digests in state["checksums"]["chunks"].items():
+            for i, digest in digests.items():
+                index[key]["chunks"][int(i)][CHECKSUM] = digest
+    for key, entry in index.items():
+        for chunk in entry["chunks"]:
+            holds.setdefault(chunk["file"], set()).add(object_of(key))
+    files = {}
+    for p in sorted(directory.iterdir()):
+        if p.is_file() and p.name != MANIFEST:
+            files[p.name] = {
+                "bytes": p.stat().st_size,
+                CHECKSUM: checked.get(p.name) or file_checksum(p),
+                "objects": sorted(holds.get(p.name, ())),
+            }
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "save_counter": save_counter,
+        "world_size": world_size,
+        "objects": shared,
+        "tensors": index,
+        "files": files,
+    }
+
+
 def _failure(workers: _Collectives | None, what: str, error: BaseException) -> Exception:
-    """The error to raise when DCP failed: the library's diagnosis when a worker is
-    gone (DCP's own collectives only say a connection closed), else a
-    `CheckpointError` naming the checkpoint."""
+    """The error to raise when DCP failed: a worker's integrity error (a damaged
+    file, named), the library's diagnosis when a worker is gone (DCP's own
+    collectives only say a connection closed), else a `CheckpointError` naming the
+    checkpoint."""
+    for failure, _ in getattr(error, "failures", {}).values():
+        if isinstance(failure, CheckpointError):
+            return failure
     if workers is not None:
         try:
             workers.barrier(f"{what} (after an error)")

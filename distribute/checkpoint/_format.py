@@ -5,28 +5,38 @@ A checkpoint is a directory::
 
     ckpt-3/
       manifest.json        what is in it: every object's structure (its skeleton),
-                           the tensors' shapes and dtypes, every file's size
+                           the tensor index (each stored tensor's dtype, shape, file,
+                           byte range and checksum), every file's size and checksum,
+                           and the checksum of the manifest itself
       rank-<r>.json        per-worker objects (RNG state, input position) of rank r
-      .metadata, *.distcp  the tensors, written by torch.distributed.checkpoint
+      *.distcp             the tensors, written by torch.distributed.checkpoint
+      .metadata            DCP's own (pickled) index of them: kept for DCP's tools,
+                           never read by this library
 
 An object's state (a module's or optimizer's ``state_dict``, an iterator's
 position, a plain value) is stored as a *skeleton*: its nest of dicts, lists and
 tuples in JSON, with each tensor replaced by ``{"__tensor__": key, ...}`` and
 the tensor itself stored once under ``key`` by DCP. One logical value per
 variable, whatever the strategy: nothing in the format names replicas, devices
-or world sizes, so a checkpoint restores under any strategy. Nothing is
-unpickled on load (JSON and DCP's tensor files only).
+or world sizes, so a checkpoint restores under any strategy.
 
 Writing goes to ``<path>.partial`` and is renamed into place once every file is
 complete, so a process killed at any moment leaves either the whole new
-checkpoint or none of it (and the previous one as the latest). The manifest
-records every file's size; a missing, truncated or foreign file raises an error
-naming it.
+checkpoint or none of it (and the previous one as the latest).
+
+Restoring checks before it loads (NOTE [checkpoint integrity] in `_storage.py`):
+the manifest against its own checksum, every file's size, the JSON files whole
+against their checksums, and each stored tensor's bytes against its checksum; a
+missing, truncated, damaged or edited file raises an error naming it (and the
+objects in it). Nothing is unpickled: structure is JSON, and tensors load with
+``torch.load(weights_only=True)`` after their bytes matched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import mmap
 import os
 import shutil
 from collections.abc import Iterator
@@ -34,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from distribute.errors import InvalidArgumentError
 
@@ -41,17 +52,28 @@ __all__ = [
     "CheckpointError",
     "Skeleton",
     "commit",
-    "files_with_sizes",
+    "checksum",
+    "dtype_by_name",
+    "dtype_name",
+    "file_checksum",
     "flatten",
+    "mapped",
     "read_json",
+    "seal",
     "unflatten",
     "verify_files",
     "write_json",
 ]
 
 FORMAT = "distribute-checkpoint"
-VERSION = 1
+#: 2: checksums of every file and stored tensor, the tensor index in JSON.
+VERSION = 2
 MANIFEST = "manifest.json"
+#: The manifest's key for the checksum of the rest of it.
+SEAL = "checksum"
+#: The checksum every file and stored tensor of a checkpoint carries (NOTE
+#: [checkpoint integrity] in `_storage.py` says why this one).
+CHECKSUM = "xxh3_128"
 PARTIAL = ".partial"
 
 #: A JSON value in which tensors are placeholders.
@@ -62,12 +84,18 @@ class CheckpointError(InvalidArgumentError):
     """A checkpoint that cannot be read: missing, truncated, corrupt or foreign."""
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``."""
     return str(dtype).removeprefix("torch.")
 
 
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
+def dtype_by_name(name: Any) -> torch.dtype:
+    """The torch dtype named ``name`` (`dtype_name`'s inverse).
+
+    Raises:
+        CheckpointError: no dtype has that name.
+    """
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(f"unknown tensor dtype {name!r} in the checkpoint")
     return dtype
@@ -83,7 +111,7 @@ def flatten(prefix: str, value: Any, tensors: dict[str, torch.Tensor]) -> Skelet
     """
     if isinstance(value, torch.Tensor):
         tensors[prefix] = value
-        return {"__tensor__": prefix, "shape": list(value.shape), "dtype": _dtype_name(value.dtype)}
+        return {"__tensor__": prefix, "shape": list(value.shape), "dtype": dtype_name(value.dtype)}
     if isinstance(value, dict):
         if all(isinstance(k, str) and not k.startswith("__") for k in value):
             return {k: flatten(f"{prefix}/{k}", v, tensors) for k, v in value.items()}
@@ -115,7 +143,7 @@ def templates(skeleton: Skeleton) -> Iterator[tuple[str, torch.Tensor]]:
         if "__tensor__" in skeleton:
             yield (
                 skeleton["__tensor__"],
-                torch.empty(skeleton["shape"], dtype=_dtype(skeleton["dtype"])),
+                torch.empty(skeleton["shape"], dtype=dtype_by_name(skeleton["dtype"])),
             )
             return
         for value in skeleton.values():
@@ -143,6 +171,37 @@ def unflatten(skeleton: Skeleton, tensors: dict[str, torch.Tensor]) -> Any:
 # -- files ----------------------------------------------------------------------------
 
 
+def checksum(data: bytes | memoryview) -> str:
+    """The XXH3-128 digest of ``data`` in hex (what ``xxh128sum`` prints).
+
+    Example:
+        >>> checksum(b"")
+        '99aa06d3014798d86001c324468d497f'
+    """
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def file_checksum(path: Path) -> str:
+    """`checksum` of a whole file (mapped, not copied)."""
+    with mapped(path) as data:
+        return checksum(data)
+
+
+@contextlib.contextmanager
+def mapped(path: Path) -> Iterator[memoryview]:
+    """The bytes of file ``path``, mapped read-only (an empty file: no bytes)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            yield memoryview(b"")
+            return
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        with memoryview(mapping) as data:
+            yield data
+    finally:
+        mapping.close()
+
+
 def write_json(path: Path, value: Any) -> None:
     """Writes ``value`` as JSON to ``path`` through a temporary file and a rename."""
     temporary = path.with_name(path.name + ".tmp")
@@ -166,32 +225,63 @@ def read_json(path: Path, what: str) -> Any:
         raise CheckpointError(f"{path} is corrupt ({what} is not valid JSON: {e})") from None
 
 
-def files_with_sizes(directory: Path) -> dict[str, int]:
-    """Every file of a checkpoint directory but the manifest, with its size."""
-    return {
-        p.name: p.stat().st_size
-        for p in sorted(directory.iterdir())
-        if p.is_file() and p.name != MANIFEST
-    }
+def canonical(value: Any) -> bytes:
+    """``value`` as JSON in one spelling (sorted keys, no spaces): what a checksum
+    of JSON data covers, so that reading and writing it again changes nothing."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
 
-def verify_files(directory: Path, expected: dict[str, int]) -> None:
-    """Raises `CheckpointError` naming the first file missing or of the wrong size."""
-    for name, size in expected.items():
+def seal(manifest: dict[str, Any]) -> dict[str, Any]:
+    """``manifest`` with the checksum of the rest of it under `SEAL`."""
+    return {**manifest, SEAL: checksum(canonical(manifest))}
+
+
+def verify_files(directory: Path, files: dict[str, Any], whole: set[str]) -> None:
+    """Checks every file's size, and the checksum of those in ``whole`` (the
+    tensor files' records are checked as they are read).
+
+    Raises:
+        CheckpointError: the first file missing, of the wrong size, or damaged
+            (named, with the objects it holds).
+    """
+    for name, entry in files.items():
         path = directory / name
         try:
             actual = path.stat().st_size
         except FileNotFoundError:
-            raise CheckpointError(f"{path} is missing from the checkpoint") from None
-        if actual != size:
             raise CheckpointError(
-                f"{path} is {actual} bytes but the checkpoint wrote {size}: it is truncated or "
-                "was overwritten; restore an earlier checkpoint"
+                f"{path} is missing from the checkpoint{_holding(entry)}; restore an earlier "
+                "checkpoint"
+            ) from None
+        if actual != entry["bytes"]:
+            raise CheckpointError(
+                f"{path} is {actual} bytes but the checkpoint wrote {entry['bytes']}: it is "
+                f"truncated or was overwritten{_holding(entry)}; restore an earlier checkpoint"
+            )
+    for name in sorted(whole):
+        entry, path = files[name], directory / name
+        found = file_checksum(path)
+        if found != entry[CHECKSUM]:
+            raise CheckpointError(
+                f"{path} is damaged or was edited after the save: its {CHECKSUM} is {found}, "
+                f"but the checkpoint recorded {entry[CHECKSUM]}{_holding(entry)}; nothing was "
+                "restored. Restore an earlier checkpoint"
             )
 
 
+def _holding(entry: dict[str, Any]) -> str:
+    objects = entry.get("objects")
+    return f" (it holds {', '.join(map(repr, objects))})" if objects else ""
+
+
 def read_manifest(directory: Path) -> dict[str, Any]:
-    """The manifest of the checkpoint at ``directory``, checked for format and files."""
+    """The manifest of the checkpoint at ``directory``, checked: its format, its own
+    checksum, every file's size and the checksums of the files read whole.
+
+    Raises:
+        CheckpointError: not a checkpoint, another format version, or a missing,
+            truncated or damaged file (named).
+    """
     if not directory.is_dir():
         if directory.exists():
             raise CheckpointError(
@@ -199,18 +289,36 @@ def read_manifest(directory: Path) -> dict[str, Any]:
                 "ds.Checkpoint.save); torch.save files load with torch.load"
             )
         raise CheckpointError(f"no checkpoint at {directory}")
-    manifest = read_json(directory / MANIFEST, "its manifest")
+    path = directory / MANIFEST
+    manifest = read_json(path, "its manifest")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(
-            f"{directory / MANIFEST} is not a distribute checkpoint manifest (another "
-            "program's file?)"
+            f"{path} is not a distribute checkpoint manifest (another program's file?)"
         )
     if manifest.get("version") != VERSION:
         raise CheckpointError(
-            f"{directory} has format version {manifest.get('version')}; this library reads "
-            f"version {VERSION}"
+            f"{directory} has format version {manifest.get('version')!r}; this library reads "
+            f"version {VERSION} (version 1, written before checksums, kept its tensor index "
+            "as a pickle, which restoring would have to unpickle). Save it again with the "
+            "version that wrote it, or load its tensors with torch.distributed.checkpoint if "
+            "you trust the files"
         )
-    verify_files(directory, manifest["files"])
+    recorded = manifest.pop(SEAL, None)
+    found = checksum(canonical(manifest))
+    if recorded != found:
+        raise CheckpointError(
+            f"{path} is damaged or was edited after the save: its contents have checksum "
+            f"{found}, but it recorded {recorded}; nothing was restored. Restore an earlier "
+            "checkpoint"
+        )
+    try:
+        tensors = {c["file"] for e in manifest["tensors"].values() for c in e["chunks"]}
+        verify_files(directory, manifest["files"], set(manifest["files"]) - tensors)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(
+            f"{path} is malformed ({type(e).__name__}: {e}) although its checksum matches: it "
+            "was written by hand. Restore an earlier checkpoint"
+        ) from None
     return manifest
 
 

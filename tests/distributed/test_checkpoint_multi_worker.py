@@ -207,6 +207,41 @@ def test_save_under_2_workers_restores_exactly_under_4_then_under_2_and_one_proc
         _assert_identical(out["optimizer"], expected["optimizer"], f"{where}, optimizer")
 
 
+def _restore_failure(path: str) -> dict[str, Any]:
+    """Restores ``path`` into a model built from another seed; the error, and
+    whether the model kept its values."""
+    torch.manual_seed(1234 + _rank())
+    strategy = _strategy()
+    with strategy.scope():
+        model = _wide_mlp()
+        optimizer = _adam(model)
+    before = _state(model)
+    out: dict[str, Any] = {"error": None, "message": ""}
+    try:
+        ds.Checkpoint(model=model, optimizer=optimizer).restore(path)
+    except Exception as e:  # the parent asserts on the type
+        out.update(error=type(e).__name__, message=str(e))
+    out["untouched"] = all(torch.equal(v, before[k]) for k, v in _state(model).items())
+    strategy.shutdown()
+    return out
+
+
+def test_a_flipped_byte_in_a_file_another_worker_wrote_is_named_on_every_worker(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "by-2")
+    launch.run(_train_and_save, 2, args=(path, 1), timeout=120)
+    damaged = Path(path) / "__1_0.distcp"  # written by rank 1; both ranks read it
+    raw = bytearray(damaged.read_bytes())
+    raw[len(raw) // 2] ^= 0x10  # the size is unchanged
+    damaged.write_bytes(bytes(raw))
+    outs = launch.run(_restore_failure, 2, args=(path,), timeout=120)
+    for rank, out in enumerate(outs):
+        assert out["error"] == "CheckpointError", (rank, out)
+        assert str(damaged) in out["message"] and "stored tensor" in out["message"], out
+        assert out["untouched"], f"rank {rank} restored part of a damaged checkpoint"
+
+
 # -- 2. a save called on one worker only ------------------------------------------------
 
 _SAVE_TIMEOUT = 10.0
