@@ -396,7 +396,6 @@ def _quiet_single_process() -> Iterator[None]:
 
 logger = logging.getLogger(__name__)
 
-_NUMBERED = re.compile(r"-(\d+)$")
 _INDEX = "checkpoint.json"
 
 
@@ -405,11 +404,16 @@ class CheckpointManager:
 
     The list of kept checkpoints lives in ``<directory>/checkpoint.json``, written
     atomically after each save, so a process started again (after a crash, too)
-    finds `latest_checkpoint`.
+    finds `latest_checkpoint`. Without a readable index (deleted, truncated,
+    overwritten), the complete checkpoints are found by their manifests. Each save
+    also removes what an interrupted one left: checkpoints beyond ``max_to_keep``
+    (a kill between the index and the deletions) and unfinished ``.partial``
+    directories.
 
     Args:
         checkpoint: the `Checkpoint` to save.
-        directory: where checkpoints go (created if missing).
+        directory: where checkpoints go (created if missing). The manager owns the
+            names ``<checkpoint_name>-<n>`` there.
         max_to_keep: how many to keep (None: all).
         checkpoint_name: the prefix of each checkpoint's name.
 
@@ -435,6 +439,8 @@ class CheckpointManager:
         self._directory = Path(directory)
         self._max_to_keep = max_to_keep
         self._name = checkpoint_name
+        # What this manager writes: <name>-<n>, and a killed save's leftovers.
+        self._owned = re.compile(rf"{re.escape(checkpoint_name)}-(\d+)(\.partial|\.old)?")
         self._directory.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -466,32 +472,81 @@ class CheckpointManager:
         workers = checkpoint._workers()
         if workers is None or workers.rank == 0:
             kept = [n for n in self._kept() if n != Path(path).name] + [Path(path).name]
-            dropped = []
-            if self._max_to_keep is not None and len(kept) > self._max_to_keep:
-                dropped, kept = kept[: -self._max_to_keep], kept[-self._max_to_keep :]
+            if self._max_to_keep is not None:
+                kept = kept[-self._max_to_keep :]
             write_json(self._directory / _INDEX, {"checkpoints": kept})
-            for name in dropped:
-                _remove(self._directory / name)
+            self._remove_all_but(kept)
         if workers is not None:
             workers.barrier("checkpoint index written")
         return path
 
     def _kept(self) -> list[str]:
-        """The kept names from the index, else from the complete checkpoints found."""
-        index = self._directory / _INDEX
-        if index.exists():
-            try:
-                names = list(json.loads(index.read_text())["checkpoints"])
-            except (ValueError, KeyError, TypeError):
-                names = []
-            return [n for n in names if (self._directory / n / MANIFEST).exists()]
+        """The kept names from the index, else (no index, a damaged one, or one
+        naming no complete checkpoint) the complete checkpoints found, oldest first."""
+        listed = [n for n in self._index() if self._complete(n)]
+        if listed:
+            return listed
         found = [
-            p.name
+            (int(match.group(1)), p.name)
             for p in self._directory.iterdir()
-            if p.is_dir() and _NUMBERED.search(p.name) and (p / MANIFEST).exists()
+            if (match := self._owned.fullmatch(p.name)) and not match.group(2)
+            if self._complete(p.name)
         ]
-        return sorted(found, key=lambda n: int(_NUMBERED.search(n).group(1)))  # type: ignore[union-attr]
+        return [name for _, name in sorted(found)]
+
+    def _index(self) -> list[str]:
+        """The names in the index; none when it is missing or damaged (logged)."""
+        index = self._directory / _INDEX
+        try:
+            names = json.loads(index.read_bytes())["checkpoints"]
+        except FileNotFoundError:
+            return []
+        except (ValueError, KeyError, TypeError) as e:  # truncated, garbage, another schema
+            logger.warning(
+                "%s is damaged (%s: %s); finding the checkpoints by their manifests instead",
+                index,
+                type(e).__name__,
+                e,
+            )
+            return []
+        if not isinstance(names, list) or not all(
+            isinstance(n, str) and (m := self._owned.fullmatch(n)) and not m.group(2) for n in names
+        ):
+            logger.warning(
+                "%s lists %r, not names of this manager's checkpoints; finding them by their "
+                "manifests instead",
+                index,
+                names,
+            )
+            return []
+        return names
+
+    def _complete(self, name: str) -> bool:
+        """Whether checkpoint ``name`` is complete (or its complete ``.old`` is there,
+        after a re-save killed between its renames)."""
+        return (complete_path(self._directory / name) / MANIFEST).exists()
+
+    def _remove_all_but(self, kept: list[str]) -> None:
+        """Removes this manager's checkpoints that are not ``kept`` and what saves
+        killed half way left (``.partial`` directories, a stale ``.old``, the
+        index's temporary file). No save of this manager is in flight: every
+        worker is in this one, which is committed."""
+        for entry in self._directory.iterdir():
+            match = self._owned.fullmatch(entry.name)
+            if match is None:
+                continue
+            base, suffix = f"{self._name}-{match.group(1)}", match.group(2)
+            if base not in kept:
+                _remove(entry)
+            elif suffix == ".partial" or (
+                suffix == ".old" and (self._directory / base / MANIFEST).exists()
+            ):
+                _remove(entry)
+        (self._directory / (_INDEX + ".tmp")).unlink(missing_ok=True)
 
 
 def _remove(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

@@ -234,6 +234,84 @@ def test_the_manager_without_its_index_finds_complete_checkpoints_only(tmp_path:
     )
 
 
+def _truncate_index(index: Path) -> None:
+    index.write_bytes(index.read_bytes()[:-3])
+
+
+def _garble_index(index: Path) -> None:
+    index.write_bytes(b"\x00\x13 not an index")
+
+
+def _delete_index(index: Path) -> None:
+    index.unlink()
+
+
+DAMAGED_INDEX = pytest.mark.parametrize(
+    "damage",
+    [_truncate_index, _garble_index, _delete_index],
+    ids=["truncated", "garbage", "missing"],
+)
+
+
+@DAMAGED_INDEX
+def test_a_damaged_index_still_finds_the_newest_complete_checkpoint(
+    tmp_path: Path, damage: Callable[[Path], None]
+) -> None:
+    manager = ds.CheckpointManager(ds.Checkpoint(step=1), tmp_path, max_to_keep=3)
+    for _ in range(4):
+        manager.save()
+    damage(tmp_path / "checkpoint.json")
+    again = ds.CheckpointManager(ds.Checkpoint(step=0), tmp_path, max_to_keep=3)
+    assert again.latest_checkpoint == str(tmp_path / "ckpt-4")
+    assert [Path(p).name for p in again.checkpoints] == ["ckpt-2", "ckpt-3", "ckpt-4"]
+    again.save(checkpoint_number=5)  # and the index is whole again
+    assert json.loads((tmp_path / "checkpoint.json").read_text()) == {
+        "checkpoints": ["ckpt-3", "ckpt-4", "ckpt-5"]
+    }
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL at one point of a save (nothing after it runs)."""
+
+
+def test_checkpoints_left_by_a_save_killed_before_its_deletions_go_at_the_next_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from distribute.checkpoint import _checkpoint
+
+    manager = ds.CheckpointManager(ds.Checkpoint(step=1), tmp_path, max_to_keep=2)
+    manager.save()
+    manager.save()
+
+    def killed(path: Path) -> None:
+        raise _Killed  # after the index was written, before anything was deleted
+
+    with monkeypatch.context() as patch:
+        patch.setattr(_checkpoint, "_remove", killed)
+        with pytest.raises(_Killed):
+            manager.save()
+    (tmp_path / "ckpt-9.partial").mkdir()  # a save of another number killed half way
+    (tmp_path / "ckpt-9.partial" / "__0_0.distcp").write_bytes(b"half")
+    (tmp_path / "notes.txt").write_text("not the manager's")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint.json",
+        "ckpt-1",
+        "ckpt-2",
+        "ckpt-3",
+        "ckpt-9.partial",
+        "notes.txt",
+    ]
+    restarted = ds.CheckpointManager(ds.Checkpoint(step=2), tmp_path, max_to_keep=2)
+    assert restarted.latest_checkpoint == str(tmp_path / "ckpt-3")
+    restarted.save(checkpoint_number=4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint.json",
+        "ckpt-3",
+        "ckpt-4",
+        "notes.txt",
+    ]
+
+
 def test_objects_attached_after_restore_get_their_values(tmp_path: Path) -> None:
     model = torch.nn.Linear(2, 2)
     path = ds.Checkpoint(model=model, step=4).save(tmp_path / "ckpt")

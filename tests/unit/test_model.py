@@ -325,6 +325,49 @@ def test_backup_and_restore_resumes_an_interrupted_fit_to_the_same_weights(
     assert not backup.exists()  # deleted when training ended
 
 
+class _Epochs(ds.callbacks.Callback):
+    """Records the epochs a fit runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.run: list[int] = []
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self.run.append(epoch)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "missing"])
+def test_backup_and_restore_resumes_after_its_index_was_damaged(
+    tmp_path: Path, damage: str
+) -> None:
+    """Before: three bytes cut from the backup's checkpoint.json made the rerun start
+    at epoch 0, silently."""
+    x, y = _data(40)
+
+    def fit(callbacks: list[Any]) -> ds.Model:
+        model = _built(STRATEGY_FACTORIES["one_device"])
+        torch.manual_seed(5)
+        model.fit(x, y, batch_size=8, epochs=5, callbacks=callbacks, verbose=0)
+        return model
+
+    straight = fit([])
+    backup = tmp_path / "backup"
+    with pytest.raises(KeyboardInterrupt):  # in epoch 3: epochs 0-2 are backed up
+        fit([ds.callbacks.BackupAndRestore(backup), _Interrupt(3, 1)])
+    index = backup / "checkpoint.json"
+    if damage == "truncated":
+        index.write_bytes(index.read_bytes()[:-3])
+    elif damage == "garbage":
+        index.write_bytes(b"\x00garbage\xff")
+    else:
+        index.unlink()
+    epochs = _Epochs()
+    resumed = fit([ds.callbacks.BackupAndRestore(backup), epochs])
+    assert epochs.run == [3, 4]
+    for key, value in _weights(straight).items():
+        assert torch.equal(_weights(resumed)[key], value), key
+
+
 @pytest.mark.parametrize(("verbose", "expect"), [(0, None), (1, "Epoch 2/2"), (2, "Epoch 2/2 - ")])
 def test_the_progress_bar_follows_verbose(
     capsys: pytest.CaptureFixture[str], verbose: int, expect: str | None
