@@ -20,7 +20,8 @@ collective timeout suited to the steps; the message prints the bound it used):
 * each rank claims ``owner/<rank>`` with its process's id: a second process
   claiming the same rank (two tasks with one TF_CONFIG index) is named, while the
   same process joining again after a dropped connection is not; one that claims
-  rank 0 while another serves it is named too;
+  rank 0 while another serves it is named too, and, while the rendezvous still
+  gathers, it posts that for the one serving (both fail at once);
 * with ``rejoin`` (a parameter-server worker), a process claiming a rank whose
   holder has died takes it over: it posts ``rejoin/<rank>`` and waits until the
   chief, having found the holder dead, releases ``owner/<rank>`` (or says that the
@@ -42,6 +43,7 @@ rank meets that rank's keys and is named.
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import errno
 import ipaddress
@@ -126,7 +128,9 @@ def rendezvous(
     serve = rank == 0 and not launcher_serves
     namespace = f"{prefix}{_made[(where, prefix)] + 1}"
     while True:
-        raw = _open(rank, world_size, master_addr, master_port, serve, deadline, bound, cluster)
+        raw = _open(
+            rank, world_size, master_addr, master_port, serve, deadline, bound, cluster, prefix
+        )
         try:
             store = PrefixStore(namespace, raw)
             _join(store, rank, world_size, cluster, where, start, deadline, bound, rejoin)
@@ -279,6 +283,7 @@ def _open(
     deadline: float,
     bound: float,
     cluster: str,
+    prefix: str,
 ) -> TCPStore:
     """Serves or joins the store by the deadline, explaining a failure."""
     where = f"{host}:{port}"
@@ -301,7 +306,7 @@ def _open(
     except Exception as exc:
         elapsed = time.monotonic() - start
         if serve and _address_in_use(exc):
-            raise _port_taken(rank, host, port, world_size, cluster, exc) from exc
+            raise _port_taken(rank, host, port, world_size, cluster, prefix, exc) from exc
         action = "serve" if serve else "reach"
         raise CollectiveTimeoutError(
             f"rank {rank} could not {action} the rendezvous at {where} (gave up after "
@@ -423,20 +428,39 @@ def _address_in_use(exc: BaseException) -> bool:
 
 
 def _port_taken(
-    rank: int, host: str, port: int, world_size: int, cluster: str, exc: BaseException
+    rank: int, host: str, port: int, world_size: int, cluster: str, prefix: str, exc: BaseException
 ) -> Exception:
     """Why rank 0 could not serve: another process of this cluster serves it (a
-    duplicated task), or another program holds the port."""
+    duplicated task; while its rendezvous still gathers, it is told too, so that it
+    does not wait out the bound for a rank that will not come), or another program
+    holds the port."""
     where = f"{host}:{port}"
+    gathering: list[Store] = []
+    theirs = None
     try:
         other = _open_bounded(host, port, world_size, False, time.monotonic() + _PROBE_SECONDS)
-        spaces = [PrefixStore(f"{n}", other) for n in range(1, 17)]  # their first strategies
-        theirs = next(
-            (ns.get("cluster/0").decode() for ns in spaces if ns.check(["cluster/0"])), None
-        )
+        # Their first strategies' namespaces; the server publishes its cluster just
+        # after it starts serving, so look again for a moment.
+        spaces = [PrefixStore(f"{prefix}{n}", other) for n in range(1, 17)]
+        deadline = time.monotonic() + _PROBE_SECONDS
+        while True:
+            serving = [ns for ns in spaces if ns.check(["cluster/0"])]
+            if serving or time.monotonic() > deadline:
+                break
+            time.sleep(_POLL_SECONDS)
+        theirs = serving[-1].get("cluster/0").decode() if serving else None
+        gathering = [ns for ns in serving if not ns.check(["complete"])]
     except Exception:
         theirs = None
     if theirs is not None and theirs == cluster:
+        for namespace in gathering:  # a running job is left alone
+            with contextlib.suppress(Exception):
+                namespace.set(
+                    "error",
+                    f"two processes claim rank 0 of the rendezvous at {where}: another process "
+                    "of this cluster tried to serve it too. Each task needs its own index "
+                    "(check TF_CONFIG's task index, or RANK)",
+                )
         return InvalidArgumentError(
             f"rank {rank} cannot serve the rendezvous at {where}: another process of this "
             "cluster already serves it, so two tasks claim rank 0 (check TF_CONFIG's task "

@@ -167,6 +167,45 @@ def test_a_second_task_claiming_a_running_index_is_named(index: int, named: str)
     assert outs == [{"ok": True}, {"ok": True}]  # the running job is not disturbed
 
 
+_TIMED_START = """
+import json, sys, time
+import distribute as ds
+options = ds.experimental.CommunicationOptions(timeout_seconds=float(sys.argv[1]))
+start = time.monotonic()
+try:
+    ds.MultiWorkerMirroredStrategy(communication_options=options).shutdown()
+    out = {"ok": True}
+except Exception as e:
+    out = {"ok": False, "type": type(e).__name__, "message": str(e)}
+out["seconds"] = time.monotonic() - start  # in the rendezvous, not importing torch
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_two_tasks_started_with_index_0_both_fail_within_seconds_naming_the_duplicate() -> None:
+    """Before: the one that served rank 0 waited the whole start-up bound (60 s
+    here), then said that rank 1 never joined."""
+    workers = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
+    timeout = 60.0
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TIMED_START, str(timeout)],
+            env={**ENV, "TF_CONFIG": _tf_config(workers, 0)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for _ in range(2)
+    ]
+    outs = _finish(procs, limit=timeout + 30)
+    for out in outs:
+        assert not out["ok"] and out["type"] == "InvalidArgumentError", out
+        assert "claim rank 0" in out["message"] and "TF_CONFIG" in out["message"], out
+        # the other's start (imports on a busy machine) and the probe, not the bound
+        assert out["seconds"] < timeout / 3, out
+
+
 # -- restarts and repeated strategies ----------------------------------------------------
 
 
