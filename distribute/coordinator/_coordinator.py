@@ -17,7 +17,11 @@ and its worker.
   are rebuilt on it, and it gets closures again. With no worker left, the queue
   waits the strategy's timeout for one to come back, then fails.
 * A ps that does not answer fails the closure with `PsUnavailableError`, which
-  stops the queue: training cannot go on without its variables.
+  stops the queue: training cannot go on without its variables. A dead ps fails
+  the worker's call to it at once; a stopped one (its connections open) is found
+  when the closure's call times out with its worker alive: the chief pings the ps
+  tasks and names the one that does not answer. Workers take the chief's
+  timeout with each closure, so every message names the strategy's.
 * Every wait is bounded: a closure by the strategy's timeout (then it counts as
   its worker's death), `RemoteValue.fetch` by the closures' fate.
 
@@ -48,7 +52,7 @@ import cloudpickle
 
 from distribute import values as nest
 from distribute.coordinator import _runtime
-from distribute.errors import DistributeError, InvalidArgumentError
+from distribute.errors import DistributeError, InvalidArgumentError, WorkerError
 
 __all__ = [
     "ClosureCancelledError",
@@ -544,7 +548,10 @@ class ClusterCoordinator:
         generation = self._generation[worker]
         try:
             future = runtime.transport.call(
-                worker, _runtime.worker_run, (closure.key, blob, args_blob), runtime.timeout
+                worker,
+                _runtime.worker_run,
+                (closure.key, blob, args_blob, runtime.timeout),
+                runtime.timeout,
             )
         except Exception:
             self._requeue(worker, closure, lost=True)
@@ -582,7 +589,8 @@ class ClusterCoordinator:
         self, worker: str, generation: int, closure: _Closure, e: BaseException
     ) -> None:
         """A closure's call failed: its worker died (the closure runs elsewhere), or
-        it is alive and the call timed out (the closure fails)."""
+        it is alive and the call timed out: then a ps that does not answer (a frozen
+        one: its connections stay open) is named, else the closure fails."""
         if self._stopping:
             self._closure_failed(worker, closure, ClosureCancelledError(_SHUT_DOWN))
             return
@@ -595,15 +603,39 @@ class ClusterCoordinator:
         if not answers:
             self._requeue(worker, closure, lost=True)
             return
+        silent = self._silent_ps(worker)
+        if silent is not None:
+            self._closure_failed(worker, closure, silent)
+            return
         self._closure_failed(
             worker,
             closure,
-            RuntimeError(
-                f"{worker} is alive but its closure's call failed ({e}); a closure "
-                f"must finish within the strategy's timeout_seconds "
-                f"({self._runtime.timeout:.0f} s)"
+            WorkerError(
+                f"{worker} is alive and every ps task answers, but its closure's call failed "
+                f"({e}); a closure must finish within the strategy's timeout_seconds "
+                f"({self._runtime.timeout:.0f} s): raise it for longer steps"
             ),
         )
+
+    def _silent_ps(self, worker: str) -> _runtime.PsUnavailableError | None:
+        """The error naming the first ps task that does not answer a ping, if any.
+
+        A closure waits on the ps tasks; one that stopped (SIGSTOP, a hung host)
+        keeps its connections open, so the worker's own call to it ends only by its
+        timeout, which starts after the chief's call to the worker did.
+        """
+        runtime = self._runtime
+        wait = min(_PS_PING_SECONDS, runtime.timeout)
+        for task in self._strategy._cluster.ps:
+            if not runtime.answers(task, wait):
+                return runtime.unavailable(
+                    task,
+                    TimeoutError(
+                        f"{worker}'s closure timed out and {task} did not answer a ping "
+                        f"within {wait:.0f} s"
+                    ),
+                )
+        return None
 
     def _closure_failed(
         self, worker: str, closure: _Closure, error: BaseException, *, idle: bool = True
@@ -651,6 +683,8 @@ class ClusterCoordinator:
 
 
 _SHUT_DOWN = "the cluster was shut down before this closure ran"
+#: The longest wait for a ps task's answer after a closure timed out.
+_PS_PING_SECONDS = 5.0
 
 
 def _pickled_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:

@@ -407,13 +407,17 @@ def _load(blob: bytes) -> tuple[Any, set[int]]:
         _loading.seen = None
 
 
-def worker_run(key: str, blob: bytes | None, args_blob: bytes) -> Any:
+def worker_run(key: str, blob: bytes | None, args_blob: bytes, timeout: float) -> Any:
     """Runs closure `key` (its function sent once, as `blob`) on this worker, with
     fresh values of the variables the function and its arguments refer to.
+
+    ``timeout`` is the chief's strategy's: this worker's calls to the ps tasks
+    take it from then on (its own `Server` timeout only bounded joining).
 
     Returns the closure's result, or a `ClosureFailure` (the coordinator raises it).
     """
     runtime = current()
+    runtime.timeout = timeout
     try:
         cached = runtime.functions.get(key)
         if cached is None:

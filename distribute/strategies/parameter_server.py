@@ -597,7 +597,8 @@ class Server:
     Args:
         cluster_resolver: the cluster, with this process's task (`task_type` "ps"
             or "worker", `task_id`).
-        timeout_seconds: the longest one call between tasks may take.
+        timeout_seconds: the longest one call between tasks may take while the
+            task joins; the closures a worker runs take the chief's strategy's.
 
     Raises:
         InvalidArgumentError: the task is not a ps or worker task of the cluster.

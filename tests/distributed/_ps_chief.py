@@ -17,6 +17,7 @@ import contextlib
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -677,6 +678,30 @@ def case_ps_failure() -> dict[str, Any]:
     return out
 
 
+def case_ps_frozen() -> dict[str, Any]:
+    """1 worker, 1 ps, a short timeout; the ps is stopped (SIGSTOP: alive, its
+    connections open, answering nothing) during a run."""
+    timeout = 4.0
+    with ds.coordinator.LocalCluster(num_workers=1, num_ps=1) as cluster:
+        strategy = ds.ParameterServerStrategy(cluster.resolver, timeout_seconds=timeout)
+        coordinator = ds.coordinator.ClusterCoordinator(strategy)
+
+        def run() -> dict[str, Any]:
+            counter = _counter_on(strategy, "ps_0")
+            values = [
+                coordinator.schedule(_increment_slowly, args=(counter, i, 0.02)) for i in range(50)
+            ]
+            values[3].fetch()  # a few have run
+            os.killpg(cluster.processes["ps_0"].pid, signal.SIGSTOP)
+            return {"timeout_seconds": timeout, **_timed_join(coordinator)}
+
+        out: dict[str, Any] = {"run": _attempt(None, run)}
+        cluster.kill("ps_0")  # SIGKILL ends a stopped process too
+        strategy.shutdown()
+        out["exit_codes"] = cluster.wait(30.0)
+    return out
+
+
 def _counter_on(strategy: Any, task: str) -> Any:
     """A SUM counter placed on ps `task` (round-robin: one of the next two is)."""
     with strategy.scope():
@@ -919,6 +944,7 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "worker_failure": case_worker_failure,
     "worker_restart": case_worker_restart,
     "ps_failure": case_ps_failure,
+    "ps_frozen": case_ps_frozen,
     "robustness": case_robustness,
 }
 

@@ -390,10 +390,36 @@ def test_a_killed_ps_is_named_by_the_next_join_within_the_timeout(
     assert error is not None, "join returned although ps_0 was killed"
     assert "PsUnavailableError" in error["mro"], error
     assert "ps_0" in error["message"]
+    # the strategy's timeout, not the worker task's own default (60 s)
+    assert f"after {check['timeout_seconds']:.0f} s" in error["message"], error["message"]
     assert check["seconds"] < check["timeout_seconds"] + 5.0, check["seconds"]
     codes = dict(ps_failure["exit_codes"])
     assert codes.pop("ps_0") == -9  # SIGKILL
     assert codes == {"ps_1": 0, "worker_0": 0, "worker_1": 0}
+
+
+@pytest.fixture(scope="module")
+def ps_frozen() -> dict[str, Any]:
+    """1 worker, 1 ps, timeout_seconds=4; ps_0 is stopped (SIGSTOP) during a run."""
+    return _run_chief("ps_frozen")
+
+
+def test_a_frozen_ps_is_named_not_blamed_on_the_worker_within_the_timeout(
+    ps_frozen: dict[str, Any],
+) -> None:
+    """Before: a plain RuntimeError saying that worker_0 is alive but its call failed."""
+    check = _check(ps_frozen, "run")
+    error = check["join"]
+    assert error is not None, "join returned although ps_0 was stopped"
+    assert "PsUnavailableError" in error["mro"] and "DistributeError" in error["mro"], error
+    assert "parameter server ps_0" in error["message"], error["message"]
+    assert f"after {check['timeout_seconds']:.0f} s" in error["message"], error["message"]
+    timeout = check["timeout_seconds"]
+    # the closure's timeout, then a ping of the ps of at most the timeout
+    assert check["seconds"] < 2 * timeout + 5.0, check["seconds"]
+    codes = dict(ps_frozen["exit_codes"])
+    assert codes.pop("ps_0") == -9  # killed once stopped
+    assert codes == {"worker_0": 0}
 
 
 def test_a_restarted_ps_is_refused_saying_to_restart_from_a_checkpoint(
