@@ -298,6 +298,61 @@ def test_torchrun_elastic_restart_trains_to_the_end(tmp_path: Path) -> None:
     assert "failed to bind" not in proc.stderr, proc.stderr[-2000:]
 
 
+_ELASTIC_RESUME = """
+import json, os, sys
+import numpy as np
+import torch
+import distribute as ds
+
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+strategy = ds.MultiWorkerMirroredStrategy(
+    communication_options=ds.experimental.CommunicationOptions(timeout_seconds=60))
+torch.manual_seed(0)
+with strategy.scope():
+    model = ds.Model(torch.nn.Linear(4, 1))
+model.compile(optimizer="sgd", loss="mse")
+
+class Epochs(ds.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.run = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.run.append(epoch)
+        if attempt == 0 and epoch == 2 and strategy.worker_index == 1:
+            os._exit(3)  # epochs 0 and 1 are backed up; the agent restarts every worker
+
+x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(16, 4)
+epochs = Epochs()
+backup = ds.callbacks.BackupAndRestore(sys.argv[1])
+model.fit(x, x.sum(1, keepdims=True), batch_size=8, epochs=4, verbose=0,
+          callbacks=[backup, epochs])
+if strategy.is_chief:
+    print(json.dumps({"attempt": attempt, "epochs": epochs.run}))
+strategy.shutdown()
+"""
+
+
+def test_torchrun_elastic_restart_resumes_from_backup_and_restore(tmp_path: Path) -> None:
+    script = tmp_path / "resume.py"
+    script.write_text(_ELASTIC_RESUME)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--max-restarts=1",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        str(script),
+        str(tmp_path / "backup"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert lines == [{"attempt": 1, "epochs": [2, 3]}], proc.stdout  # not from epoch 0
+
+
 # -- Ctrl-C and killed launchers -------------------------------------------------------
 
 _INTERRUPTED = """
