@@ -15,6 +15,7 @@ import json
 import logging
 import re
 import shutil
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -225,7 +226,8 @@ class Checkpoint:
             )
         path = complete_path(path)
         manifest = read_manifest(path)  # every JSON file is checked against its checksum
-        reader = VerifyingReader(path, manifest["tensors"])
+        native = manifest.get("byteorder") == sys.byteorder
+        reader = VerifyingReader(path, manifest["tensors"], native)
         skeletons: dict[str, Any] = dict(manifest["objects"])
         own_file = f"rank-{rank}.json"
         borrowed: set[str] = set()
@@ -362,6 +364,7 @@ def _manifest(
     return {
         "format": FORMAT,
         "version": VERSION,
+        "byteorder": sys.byteorder,  # of the tensor records (torch.save writes it)
         "save_counter": save_counter,
         "world_size": world_size,
         "objects": shared,

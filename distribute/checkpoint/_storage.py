@@ -33,7 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, cast
 
+import numpy as np
 import torch
+import xxhash
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -118,7 +120,11 @@ def tensor_files(index: dict[str, Any]) -> list[str]:
 
 def checksums_of(directory: Path, index: dict[str, Any], files: Sequence[str]) -> dict[str, Any]:
     """The checksums of ``files`` (tensor files of ``index``) and of every chunk
-    stored in them: ``{"files": {name: digest}, "chunks": {key: {i: digest}}}``."""
+    stored in them: ``{"files": {name: digest}, "chunks": {key: {i: digest}}}``.
+
+    One pass over each file: a megabyte at a time goes into the file's digest and
+    its record's while it is in the cache (two passes cost twice the time).
+    """
     wanted = set(files)
     found: dict[str, Any] = {"files": {}, "chunks": {}}
     by_file: dict[str, list[tuple[str, int, dict[str, Any]]]] = {}
@@ -128,11 +134,36 @@ def checksums_of(directory: Path, index: dict[str, Any], files: Sequence[str]) -
                 by_file.setdefault(chunk["file"], []).append((key, i, chunk))
     for name in sorted(wanted):
         with mapped(directory / name) as data:
-            found["files"][name] = checksum(data)
-            for key, i, chunk in by_file.get(name, []):
-                with data[chunk["at"] : chunk["at"] + chunk["length"]] as record:
-                    found["chunks"].setdefault(key, {})[str(i)] = checksum(record)
+            whole = xxhash.xxh3_128()
+            done = 0  # bytes of the file in `whole` so far
+            for key, i, chunk in sorted(by_file.get(name, []), key=lambda r: r[2]["at"]):
+                start, end = chunk["at"], chunk["at"] + chunk["length"]
+                record = xxhash.xxh3_128()
+                for at in range(start, end, _PIECE):
+                    stop = min(at + _PIECE, end)
+                    with data[at:stop] as piece:
+                        record.update(piece)
+                        if at == done:  # the records are back to back
+                            whole.update(piece)
+                            done = stop
+                    if stop > done:  # bytes between records (none are written so)
+                        _update(whole, data, done, stop)
+                        done = stop
+                found["chunks"].setdefault(key, {})[str(i)] = record.hexdigest()
+            _update(whole, data, done, len(data))
+            found["files"][name] = whole.hexdigest()
     return found
+
+
+#: How much of a file goes into its checksums at a time (fits the cache).
+_PIECE = 1 << 20
+
+
+def _update(digest: Any, data: memoryview, start: int, end: int) -> None:
+    """Adds bytes ``[start, end)`` of ``data`` to ``digest``."""
+    if end > start:
+        with data[start:end] as piece:
+            digest.update(piece)
 
 
 # -- reading: DCP's index from the JSON one, every record checked before it loads -----------
@@ -147,6 +178,7 @@ class _Record:
     at: int
     length: int
     checksum: str
+    sizes: tuple[int, ...]  # the chunk's shape
 
 
 class VerifyingReader(StorageReader):
@@ -158,14 +190,17 @@ class VerifyingReader(StorageReader):
         directory: the checkpoint directory.
         index: the manifest's ``tensors`` (`tensor_index` plus each chunk's
             ``xxh3_128``), already checked against the manifest's own checksum.
+        native: whether the checkpoint was written in this machine's byte order
+            (its records' bytes can then be copied straight into the tensors).
 
     Raises:
         CheckpointError: ``index`` is malformed (names the entry).
     """
 
-    def __init__(self, directory: Path, index: Any) -> None:
+    def __init__(self, directory: Path, index: Any, native: bool = False) -> None:
         super().__init__()
         self._directory = directory
+        self._native = native
         self._metadata, self._records = _parse_index(directory, index)
         #: The integrity error this reader raised, if any (DCP wraps it).
         self.failure: CheckpointError | None = None
@@ -226,9 +261,58 @@ class VerifyingReader(StorageReader):
                         )
             for name, reads in by_file.items():
                 for item, record in reads:
+                    target = planner.resolve_tensor(item).detach()
                     with data_of[name][record.at : record.at + record.length] as data:
-                        tensor = _load_record(self._directory / name, record, data)
-                    _copy_into(planner, item, record, tensor, self._directory / name)
+                        if not (self._native and _copy_directly(data, item, record, target)):
+                            tensor = _load_record(self._directory / name, record, data)
+                            _copy_into(item, record, tensor, target, self._directory / name)
+                    planner.commit_tensor(item, target)
+
+
+def _copy_directly(data: memoryview, item: ReadItem, record: _Record, target: torch.Tensor) -> bool:
+    """Copies a whole stored chunk's bytes from the mapped file straight into
+    ``target``, where its record is a plain contiguous tensor of ``target``'s dtype
+    and shape; False where it is not (`_load_record` then reads it).
+
+    ``torch.load`` onto the meta device reads the record's header only (with
+    ``weights_only``, as everywhere here): the tensor's dtype, shape and where its
+    bytes are. Reading them through ``torch.load`` onto the CPU, then copying, took
+    three passes over the data; this takes one.
+    """
+    if (
+        target.device.type != "cpu"
+        or not target.is_contiguous()
+        or any(item.storage_offsets)
+        or tuple(item.lengths) != record.sizes
+        or tuple(target.shape) != record.sizes
+    ):
+        return False
+    try:
+        source = cast(IO[bytes], _MemoryFile(data))  # a file object but for its static type
+        header = torch.load(source, map_location="meta", weights_only=True)
+    except Exception:
+        return False  # `_load_record` names what is wrong with it
+    if not isinstance(header, torch.Tensor):
+        return False
+    offset = getattr(header.untyped_storage(), "_checkpoint_offset", None)
+    if (
+        not isinstance(offset, int)  # a torch that does not say where the bytes are
+        or header.layout is not torch.strided
+        or header.dtype != target.dtype
+        or header.shape != target.shape
+        or not header.is_contiguous()
+        or header.storage_offset() != 0
+    ):
+        return False
+    size = target.numel() * target.element_size()
+    if size == 0:
+        return True
+    if offset < 0 or offset + size > len(data):
+        return False
+    stored = np.frombuffer(data, dtype=np.uint8, count=size, offset=offset)
+    target.view(-1).view(torch.uint8).numpy()[:] = stored
+    del stored  # it holds the mapping's buffer, which must be released
+    return True
 
 
 def _load_record(path: Path, record: _Record, data: memoryview) -> torch.Tensor:
@@ -251,12 +335,11 @@ def _load_record(path: Path, record: _Record, data: memoryview) -> torch.Tensor:
 
 
 def _copy_into(
-    planner: LoadPlanner, item: ReadItem, record: _Record, tensor: torch.Tensor, path: Path
+    item: ReadItem, record: _Record, tensor: torch.Tensor, target: torch.Tensor, path: Path
 ) -> None:
     for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
         if length < tensor.size(dim):  # a part of a stored chunk (a resharded read)
             tensor = tensor.narrow(dim, offset, length)
-    target = planner.resolve_tensor(item).detach()
     if target.size() != tensor.size():
         raise CheckpointError(
             f"{path}: the stored tensor {record.key!r} has shape {tuple(tensor.shape)} where "
@@ -264,7 +347,6 @@ def _copy_into(
             "inconsistent. Restore an earlier checkpoint"
         )
     target.copy_(tensor)
-    planner.commit_tensor(item, target)
 
 
 def _parse_index(directory: Path, index: Any) -> tuple[Metadata, dict[MetadataIndex, _Record]]:
@@ -288,7 +370,7 @@ def _parse_index(directory: Path, index: Any) -> tuple[Metadata, dict[MetadataIn
                     raise ValueError(f"file {name!r} is not a name in the checkpoint directory")
                 at, length = _ints([chunk["at"], chunk["length"]])
                 records[MetadataIndex(key, offsets)] = _Record(
-                    key, name, at, length, str(chunk["xxh3_128"])
+                    key, name, at, length, str(chunk[CHECKSUM]), tuple(sizes)
                 )
                 chunks.append(
                     ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))

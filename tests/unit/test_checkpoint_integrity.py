@@ -257,3 +257,62 @@ def test_a_checkpoint_of_format_version_1_is_refused_saying_why(tmp_path: Path) 
     _reseal(path, lambda manifest: manifest.update(version=1))
     with pytest.raises(CheckpointError, match=r"format version 1.*reads version 2.*pickle"):
         _fresh()[0].restore(path)
+
+
+# -- how the checked bytes are loaded ---------------------------------------------------------
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    floats = torch.randn(3, 5, generator=generator)
+    return {
+        "float32": floats,
+        "float64": floats.double(),
+        "bfloat16": floats.bfloat16(),
+        "float16": floats.half(),
+        "complex64": torch.complex(floats, -floats),
+        "int64": torch.arange(-7, 8).reshape(3, 5),
+        "int8": torch.arange(-7, 8, dtype=torch.int8),
+        "uint8": torch.arange(250, 256, dtype=torch.uint8),
+        "bool": floats > 0,
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+        "transposed": floats.t(),  # saved contiguous
+    }
+
+
+def test_every_dtype_restores_bitwise_by_the_direct_copy_and_by_the_full_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records of this machine's byte order are copied straight from the mapped file
+    into the tensors (one pass); others load through ``torch.load`` and a copy.
+    Both give the saved bits."""
+    from distribute.checkpoint import _storage
+
+    saved = _tensors()
+    path = Path(ds.Checkpoint(**saved).save(tmp_path / "ckpt"))
+
+    def restored() -> dict[str, torch.Tensor]:
+        targets = {k: torch.zeros_like(v) for k, v in saved.items()}
+        ds.Checkpoint(**targets).restore(path)
+        return targets
+
+    full_loads: list[str] = []
+    load_record = _storage._load_record
+    monkeypatch.setattr(
+        _storage,
+        "_load_record",
+        lambda path, record, data: full_loads.append(record.key) or load_record(path, record, data),
+    )
+    for key, value in restored().items():
+        assert value.dtype == saved[key].dtype and torch.equal(value, saved[key]), key
+    assert full_loads == []  # every record copied directly
+
+    full_loads.clear()
+    foreign = "big" if __import__("sys").byteorder == "little" else "little"
+    _reseal(path, lambda manifest: manifest.update(byteorder=foreign))
+    for key, value in restored().items():
+        assert value.dtype == saved[key].dtype and torch.equal(value, saved[key]), key
+    assert sorted(full_loads) == sorted(set(saved) - {"empty"}), (
+        full_loads
+    )  # DCP reads no bytes for it
