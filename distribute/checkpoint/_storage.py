@@ -312,6 +312,9 @@ def _copy_directly(data: memoryview, item: ReadItem, record: _Record, target: to
     stored = np.frombuffer(data, dtype=np.uint8, count=size, offset=offset)
     target.view(-1).view(torch.uint8).numpy()[:] = stored
     del stored  # it holds the mapping's buffer, which must be released
+    # A write torch did not see: counted as one, as `copy_` would, so that a mirrored
+    # variable's other copies follow its primary (NOTE in variables.py).
+    torch.autograd.graph.increment_version(target)
     return True
 
 

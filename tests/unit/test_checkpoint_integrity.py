@@ -316,3 +316,25 @@ def test_every_dtype_restores_bitwise_by_the_direct_copy_and_by_the_full_load(
     assert sorted(full_loads) == sorted(set(saved) - {"empty"}), (
         full_loads
     )  # DCP reads no bytes for it
+
+
+def test_a_restore_into_synced_mirrored_variables_reaches_every_replicas_copy(
+    tmp_path: Path,
+) -> None:
+    """The direct copy writes the primary copy outside torch: it must still count
+    as a write, or the other replicas keep their old values."""
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    torch.manual_seed(0)
+    with strategy.scope():
+        saved = torch.nn.Linear(3, 2)
+    path = ds.Checkpoint(model=saved).save(tmp_path / "ckpt")
+    torch.manual_seed(1)
+    with strategy.scope():
+        model = torch.nn.Linear(3, 2)
+    for variable in model.parameters():
+        assert len(variable.values) == 2  # reading them syncs the copies: all in step now
+    ds.Checkpoint(model=model).restore(path)
+    expected = {k: v.detach().clone() for k, v in saved.state_dict().items()}
+    for key, variable in model.state_dict(keep_vars=True).items():
+        for replica, copy in enumerate(variable.values):
+            assert torch.equal(copy, expected[key]), (key, replica)
