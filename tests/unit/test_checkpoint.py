@@ -277,7 +277,7 @@ class _Killed(BaseException):
 def test_checkpoints_left_by_a_save_killed_before_its_deletions_go_at_the_next_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from distribute.checkpoint import _checkpoint
+    from distribute.checkpoint import _manager
 
     manager = ds.CheckpointManager(ds.Checkpoint(step=1), tmp_path, max_to_keep=2)
     manager.save()
@@ -287,7 +287,7 @@ def test_checkpoints_left_by_a_save_killed_before_its_deletions_go_at_the_next_s
         raise _Killed  # after the index was written, before anything was deleted
 
     with monkeypatch.context() as patch:
-        patch.setattr(_checkpoint, "_remove", killed)
+        patch.setattr(_manager, "_remove", killed)
         with pytest.raises(_Killed):
             manager.save()
     (tmp_path / "ckpt-9.partial").mkdir()  # a save of another number killed half way
