@@ -634,8 +634,7 @@ def _parameter_hook(
         is_param=True,
         deferred=True,
     )
-    carry_attributes(vars(param), var)
-    var._ds_add_owner(module, "param", name)
+    _owned(var, param, module, "param", name)
     return var  # type: ignore[return-value]  # isinstance(var, Parameter) holds
 
 
@@ -658,9 +657,20 @@ def _buffer_hook(
         is_buffer=True,
         deferred=True,
     )
-    carry_attributes(vars(buffer), var)
-    var._ds_add_owner(module, "buffer", name)
+    if var is buffer:
+        return None  # the strategy keeps this buffer as it is (parameter servers)
+    _owned(var, buffer, module, "buffer", name)
     return var
+
+
+def _owned(
+    var: torch.Tensor, original: torch.Tensor, module: torch.nn.Module, kind: str, name: str
+) -> None:
+    """Records the module slot of a variable made for ``original`` and keeps its
+    Python attributes (strategies whose variables are other tensors have no slots)."""
+    if isinstance(var, DistributedVariable):
+        carry_attributes(vars(original), var)
+        var._ds_add_owner(module, kind, name)
 
 
 def carry_attributes(attributes: dict[str, Any], var: torch.Tensor) -> None:
