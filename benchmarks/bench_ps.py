@@ -84,7 +84,7 @@ def _round_trip(reps: int) -> list[dict[str, Any]]:
 
     # Bare rpc_sync calls of Python functions on the tasks: a constant (the task's
     # name), and the ps's read of the variable (what read_value asks the ps for).
-    from distribute.coordinator._runtime import ps_read, worker_ping
+    from distribute.ps._runtime import ps_read, worker_ping
 
     with ds.coordinator.LocalCluster(num_workers=2, num_ps=1) as cluster:
         strategy = ds.ParameterServerStrategy(cluster.resolver)

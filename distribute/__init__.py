@@ -50,7 +50,6 @@ from distribute.context import (
     has_strategy,
     in_cross_replica_context,
 )
-from distribute.coordinator._variables import ParameterServerVariable, ShardedVariable
 from distribute.data.dataset import DistributedDataset, DistributedIterator
 from distribute.data.options import (
     AutoShardPolicy,
@@ -60,6 +59,7 @@ from distribute.data.options import (
 )
 from distribute.gradients import GradScaler
 from distribute.losses import compute_average_loss, scale_regularization_loss
+from distribute.ps._variables import ParameterServerVariable, ShardedVariable
 from distribute.strategies.base import Strategy, StrategyExtended
 from distribute.strategies.central_storage import CentralStorageStrategy
 from distribute.strategies.mirrored import MirroredStrategy

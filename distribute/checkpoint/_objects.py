@@ -81,13 +81,13 @@ def _logical(value: torch.Tensor) -> torch.Tensor:
 
 
 def _is_sharded(value: Any) -> bool:
-    from distribute.coordinator._variables import ShardedVariable
+    from distribute.ps._variables import ShardedVariable
 
     return isinstance(value, ShardedVariable)
 
 
 def _on_parameter_servers(value: Any) -> bool:
-    from distribute.coordinator._variables import ParameterServerVariable, ShardedVariable
+    from distribute.ps._variables import ParameterServerVariable, ShardedVariable
 
     return isinstance(value, (ParameterServerVariable, ShardedVariable))
 
@@ -95,7 +95,7 @@ def _on_parameter_servers(value: Any) -> bool:
 def _is_ps_optimizer(obj: Any) -> bool:
     if not isinstance(obj, torch.optim.Optimizer):
         return False
-    from distribute.coordinator._variables import is_ps_optimizer
+    from distribute.ps._variables import is_ps_optimizer
 
     return is_ps_optimizer(obj)
 
@@ -109,7 +109,7 @@ def capture_state(name: str, obj: Any) -> Any:
     if isinstance(obj, (bool, int, float, str)) or obj is None:
         return obj
     if _is_ps_optimizer(obj):
-        from distribute.coordinator._variables import optimizer_state
+        from distribute.ps._variables import optimizer_state
 
         return optimizer_state(obj)  # its state lives on the ps tasks
     state_dict = getattr(obj, "state_dict", None)
@@ -133,7 +133,7 @@ def apply_state(name: str, obj: Any, state: Any) -> Any:
     if isinstance(obj, (bool, int, float, str)) or obj is None:
         return state
     if _is_ps_optimizer(obj):
-        from distribute.coordinator._variables import load_optimizer_state
+        from distribute.ps._variables import load_optimizer_state
 
         load_optimizer_state(obj, state)
         return obj

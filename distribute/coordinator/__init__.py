@@ -17,8 +17,8 @@ from distribute.coordinator._coordinator import (
     RemoteValue,
     WorkerLostError,
 )
-from distribute.coordinator._runtime import PsUnavailableError
 from distribute.coordinator.local import LocalCluster
+from distribute.ps._runtime import PsUnavailableError
 
 __all__ = [
     "ClosureCancelledError",

@@ -51,8 +51,8 @@ from typing import Any
 import cloudpickle
 
 from distribute import values as nest
-from distribute.coordinator import _runtime
 from distribute.errors import DistributeError, InvalidArgumentError, WorkerError
+from distribute.ps import _runtime
 
 __all__ = [
     "ClosureCancelledError",

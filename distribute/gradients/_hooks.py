@@ -88,7 +88,7 @@ def _variables_of(optimizer: Optimizer, strategy: Strategy) -> list[DistributedV
     shared = 0  # parameters every replica thread would update unsynchronized
     for p in params:
         if getattr(p, "_ds_on_parameter_server", False):
-            continue  # updated on its ps, once per step (coordinator/_variables.py)
+            continue  # updated on its ps, once per step (ps/_variables.py)
         if not isinstance(p, DistributedVariable):
             shared += isinstance(p, Parameter)
         elif not p._ds_strategy.extended._captures_modules:

@@ -33,8 +33,8 @@ from typing import Any
 import cloudpickle
 import torch
 
-from distribute.coordinator._transport import Transport
 from distribute.errors import DistributeError, InvalidArgumentError
+from distribute.ps._transport import Transport
 
 __all__ = ["ClosureFailure", "PsUnavailableError", "Runtime", "current", "install"]
 

@@ -42,9 +42,9 @@ from torch.utils._pytree import tree_map
 
 from distribute import context
 from distribute._enums import VariableAggregation
-from distribute.coordinator import _runtime
 from distribute.errors import InvalidArgumentError
 from distribute.partitioners import shard_sizes
+from distribute.ps import _runtime
 
 __all__ = ["ParameterServerVariable", "ShardedVariable", "VarHandle"]
 

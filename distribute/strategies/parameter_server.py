@@ -42,15 +42,15 @@ from distribute._enums import VariableAggregation, VariableSynchronization
 from distribute.cluster_resolver.base import ClusterResolver
 from distribute.cluster_resolver.cluster_spec import split_host_port
 from distribute.collectives._rendezvous import rendezvous
-from distribute.coordinator import _runtime
-from distribute.coordinator._transport import RpcTransport
-from distribute.coordinator._variables import (
+from distribute.errors import InvalidArgumentError
+from distribute.ps import _runtime
+from distribute.ps._transport import RpcTransport
+from distribute.ps._variables import (
     ParameterServerVariable,
     ShardedVariable,
     VarHandle,
     split_rows,
 )
-from distribute.errors import InvalidArgumentError
 from distribute.strategies._replicated import ReplicatedExtended
 from distribute.strategies.base import Strategy
 

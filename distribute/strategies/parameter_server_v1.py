@@ -41,8 +41,8 @@ import torch
 
 from distribute.cluster_resolver.base import ClusterResolver
 from distribute.cluster_resolver.select import resolve_cluster
-from distribute.coordinator import _runtime
 from distribute.errors import InvalidArgumentError
+from distribute.ps import _runtime
 from distribute.strategies._devices import device_list
 from distribute.strategies.base import Strategy
 from distribute.strategies.parameter_server import (

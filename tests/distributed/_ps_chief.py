@@ -747,8 +747,8 @@ def _adam_step(dense: Any, rows: Any, adam: Any) -> None:
 
 def _resource_count() -> int:
     """Per-worker objects (datasets, iterators) this worker holds."""
-    from distribute.coordinator import _runtime
-    from distribute.coordinator._variables import ShardedVariable
+    from distribute.ps import _runtime
+    from distribute.ps._variables import ShardedVariable
 
     resources = _runtime.current().resources.values()
     return sum(not isinstance(r, ShardedVariable) for r in resources)

@@ -10,7 +10,7 @@ import pytest
 
 from distribute.collectives import _rendezvous
 from distribute.collectives._rendezvous import loopback_alias
-from distribute.coordinator._transport import interface_of
+from distribute.ps._transport import interface_of
 
 
 def _resolving_to(monkeypatch: pytest.MonkeyPatch, name: str, address: str) -> None:
