@@ -50,7 +50,8 @@ from distribute.context import (
     has_strategy,
     in_cross_replica_context,
 )
-from distribute.data.dataset import DistributedDataset, DistributedIterator
+from distribute.data._iterator import DistributedIterator
+from distribute.data.dataset import DistributedDataset
 from distribute.data.options import (
     AutoShardPolicy,
     InputContext,

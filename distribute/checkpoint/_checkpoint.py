@@ -306,7 +306,7 @@ class Checkpoint:
             InvalidArgumentError: several processes train together but nothing says
                 which strategy's workers they are.
         """
-        from distribute.data.dataset import DistributedIterator
+        from distribute.data._iterator import DistributedIterator
 
         candidates: list[Any] = []
         for obj in self._objects.values():

@@ -65,7 +65,7 @@ class RNGState:
 
 def is_per_worker(obj: Any) -> bool:
     """Whether ``obj``'s state is this worker's own (RNG, the input position)."""
-    from distribute.data.dataset import DistributedIterator
+    from distribute.data._iterator import DistributedIterator
 
     return isinstance(obj, (RNGState, DistributedIterator))
 

@@ -13,16 +13,12 @@ Example::
 from __future__ import annotations
 
 from distribute.data import sharding
-from distribute.data.dataset import (
-    DistributedDataset,
-    DistributedDatasetsFromFunction,
-    DistributedIterator,
-    FileShardable,
-    InputWorkers,
-    OptionalValue,
-    TensorSpec,
-    make_numpy_dataset,
-)
+from distribute.data._arrays import make_numpy_dataset
+from distribute.data._batches import TensorSpec
+from distribute.data._iterator import DistributedIterator, OptionalValue
+from distribute.data._sources import FileShardable
+from distribute.data._workers import InputWorkers
+from distribute.data.dataset import DistributedDataset, DistributedDatasetsFromFunction
 from distribute.data.options import (
     AutoShardPolicy,
     InputContext,

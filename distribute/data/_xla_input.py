@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from distribute import values
-from distribute.data.dataset import OptionalValue, _check_not_in_replica_context
+from distribute.data._batches import _check_not_in_replica_context
+from distribute.data._iterator import OptionalValue
 from distribute.data.options import InputContext
 
 __all__ = ["XlaShardedDataset", "XlaShardedIterator", "global_batches"]

@@ -568,7 +568,7 @@ class ReplicatedExtended(StrategyExtended):
     # -- input ------------------------------------------------------------------------
 
     def _input_workers(self) -> Any:
-        from distribute.data.dataset import InputWorkers
+        from distribute.data._workers import InputWorkers
 
         cross = self._cross_worker
         if cross is None:  # one worker: InputWorkers' defaults (identity sum and gather)

@@ -29,11 +29,8 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from distribute.data.dataset import (
-    DistributedDataset,
-    DistributedDatasetsFromFunction,
-    _SeededRandomSampler,
-)
+from distribute.data._sources import _SeededRandomSampler
+from distribute.data.dataset import DistributedDataset, DistributedDatasetsFromFunction
 from distribute.errors import InvalidArgumentError
 from distribute.values import flatten
 

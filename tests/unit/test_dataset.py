@@ -20,8 +20,14 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import distribute as ds
-from distribute.data import AutoShardPolicy, InputOptions, InputReplicationMode
-from distribute.data.dataset import DistributedDataset, InputWorkers, TensorSpec
+from distribute.data import (
+    AutoShardPolicy,
+    DistributedDataset,
+    InputOptions,
+    InputReplicationMode,
+    InputWorkers,
+    TensorSpec,
+)
 
 Point = collections.namedtuple("Point", ["x", "y"])
 

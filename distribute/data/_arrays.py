@@ -1,0 +1,88 @@
+"""NumPy arrays (and nests of them) as a dataset of examples (`make_numpy_dataset`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, RandomSampler, Sampler
+
+from distribute.errors import InvalidArgumentError
+from distribute.values import (
+    flatten,
+    pack_sequence_as,
+)
+
+__all__ = ["make_numpy_dataset"]
+
+
+class _ArrayDataset(torch.utils.data.Dataset[Any]):
+    def __init__(self, structure: Any) -> None:
+        self._structure = structure
+        self._leaves = [torch.as_tensor(np.asarray(x)) for x in flatten(structure)]
+        lengths = {len(x) for x in self._leaves}
+        if len(lengths) != 1:
+            raise InvalidArgumentError(
+                f"make_numpy_dataset needs arrays of one length, got lengths {sorted(lengths)}."
+            )
+        self._length = lengths.pop()
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int) -> Any:
+        return pack_sequence_as(self._structure, [x[index] for x in self._leaves])
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        index = torch.as_tensor(indices)
+        return [_Collated(pack_sequence_as(self._structure, [x[index] for x in self._leaves]))]
+
+
+class _Collated:
+    """A batch already gathered by fancy indexing; `_collate_arrays` unwraps it."""
+
+    def __init__(self, batch: Any) -> None:
+        self.batch = batch
+
+
+def _collate_arrays(items: list[Any]) -> Any:
+    if len(items) == 1 and isinstance(items[0], _Collated):
+        return items[0].batch
+    return torch.utils.data.default_collate(items)
+
+
+def make_numpy_dataset(
+    arrays: Any, batch_size: int, *, shuffle: bool = False, seed: int = 0, drop_last: bool = False
+) -> DataLoader[Any]:
+    """A DataLoader over in-memory NumPy arrays, batched with the global batch size.
+
+    Args:
+      arrays: an array or a nest (tuple, dict, ...) of arrays of one length.
+      batch_size: the GLOBAL batch size.
+      shuffle: reshuffle every epoch (the order depends on ``seed`` and the epoch only).
+      seed: the shuffling seed.
+      drop_last: drop the last partial batch.
+
+    Example::
+
+        >>> import numpy as np, distribute as ds
+        >>> loader = ds.data.make_numpy_dataset((np.zeros((10, 3)), np.arange(10)), batch_size=4)
+        >>> [b[1].tolist() for b in loader][-1]
+        [8, 9]
+    """
+    dataset = _ArrayDataset(arrays)
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    sampler: Sampler[int] = (
+        RandomSampler(dataset, generator=generator)
+        if shuffle
+        else torch.utils.data.SequentialSampler(dataset)
+    )
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=drop_last,
+        collate_fn=_collate_arrays,
+    )
