@@ -13,7 +13,6 @@ or with one ``TF_CONFIG`` per process, or under SLURM (``srun``).
 
 from __future__ import annotations
 
-import json
 import logging
 import weakref
 from collections.abc import Sequence
@@ -21,11 +20,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from distribute import _env
 from distribute.cluster_resolver import ClusterResolver, resolve_cluster
-from distribute.collectives.options import CommunicationImplementation, CommunicationOptions
-from distribute.errors import InvalidArgumentError
-from distribute.strategies._devices import device_list, local_gpu
+from distribute.collectives.options import CommunicationOptions
+from distribute.strategies._cluster import (
+    backend_for,
+    bind_process,
+    describe_cluster,
+    worker_devices,
+)
+from distribute.strategies._devices import device_list
 from distribute.strategies._replicated import ReplicatedExtended
 from distribute.strategies.base import Strategy
 
@@ -38,55 +41,6 @@ logger = logging.getLogger(__name__)
 
 #: DistributedDataParallel's default bucket size, used when bytes_per_pack is 0.
 DEFAULT_BYTES_PER_PACK = 25 * 1024 * 1024
-
-
-def _default_devices(resolver: ClusterResolver | None) -> list[str]:
-    """``cuda:<this process's GPU>`` (see `local_gpu`) where CUDA is available, else the CPU."""
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count == 0:
-        return ["cpu"]
-    if resolver is None:
-        return ["cuda:0"]
-    index = local_gpu(
-        resolver.local_rank,
-        resolver.local_world_size,
-        count,
-        _env.read_environment().cuda_visible_devices,
-        assigned=getattr(resolver, "gpu_ids", ()),
-    )
-    return [f"cuda:{index}"]
-
-
-def _bind_process(devices: Sequence[torch.device]) -> torch.device | None:
-    """Makes this process's first CUDA replica device its current device.
-
-    Without it every process's plain ``.cuda()`` (and NCCL's own buffers) land on GPU 0.
-    """
-    cuda = [d for d in devices if d.type == "cuda"]
-    if not cuda:
-        return None
-    torch.cuda.set_device(cuda[0])
-    return cuda[0]
-
-
-def _describe_cluster(resolver: ClusterResolver, world_size: int) -> str:
-    """What every worker must agree on: the training world and the cluster spec."""
-    spec = {str(job): tasks for job, tasks in resolver.cluster_spec().as_dict().items()}
-    return json.dumps({"world_size": world_size, "cluster": spec}, sort_keys=True, default=str)
-
-
-def _backend(implementation: CommunicationImplementation, devices: Sequence[torch.device]) -> str:
-    all_cuda = all(d.type == "cuda" for d in devices)
-    if implementation is CommunicationImplementation.NCCL:
-        if not all_cuda:
-            raise InvalidArgumentError(
-                "CommunicationImplementation.NCCL needs every replica on a CUDA device, got "
-                f"{[str(d) for d in devices]}; use RING (gloo) for CPU replicas."
-            )
-        return "nccl"
-    if implementation is CommunicationImplementation.RING:
-        return "gloo"
-    return "nccl" if all_cuda and torch.distributed.is_nccl_available() else "gloo"
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -128,7 +82,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
         self._resolver = resolver
         self._options = options
-        names = device_list(devices if devices is not None else _default_devices(resolver))
+        names = device_list(devices if devices is not None else worker_devices(resolver))
         bytes_per_pack = options.bytes_per_pack or DEFAULT_BYTES_PER_PACK
         extended = ReplicatedExtended(
             self, names, timeout_seconds=options.timeout_seconds, bytes_per_pack=bytes_per_pack
@@ -136,11 +90,11 @@ class MultiWorkerMirroredStrategy(Strategy):
         super().__init__(extended)
         self._collectives: ProcessGroupCollectives | None = None
         world_size = resolver.world_size if resolver is not None else 1
-        bound = _bind_process(extended.worker_devices)
+        bound = bind_process(extended.worker_devices)
         if resolver is not None and world_size > 1:
             from distribute.collectives.process_group import ProcessGroupCollectives
 
-            backend = _backend(options.implementation, extended.worker_devices)
+            backend = backend_for(options.implementation, extended.worker_devices)
             self._collectives = ProcessGroupCollectives.create(
                 resolver.rank,
                 world_size,
@@ -148,7 +102,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                 resolver.master_port,
                 backend=backend,
                 timeout_seconds=extended._timeout,
-                cluster=_describe_cluster(resolver, world_size),
+                cluster=describe_cluster(resolver, world_size),
                 prefix=resolver.rendezvous_prefix,
                 launcher_serves=resolver.launcher_serves_rendezvous,
                 device=bound if backend == "nccl" else None,

@@ -1,0 +1,72 @@
+"""Joining a cluster of worker processes: the one device each process drives, the
+process group's backend, and what every worker must agree on at start-up.
+
+Shared by the strategies that run one process per worker over a torch.distributed
+process group (`MultiWorkerMirroredStrategy`, `FullyShardedStrategy`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import torch
+
+from distribute import _env
+from distribute.cluster_resolver import ClusterResolver
+from distribute.collectives.options import CommunicationImplementation
+from distribute.errors import InvalidArgumentError
+from distribute.strategies._devices import local_gpu
+
+__all__ = ["backend_for", "bind_process", "describe_cluster", "worker_devices"]
+
+
+def worker_devices(resolver: ClusterResolver | None) -> list[str]:
+    """``cuda:<this process's GPU>`` (see `local_gpu`) where CUDA is available, else the CPU."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        return ["cpu"]
+    if resolver is None:
+        return ["cuda:0"]
+    index = local_gpu(
+        resolver.local_rank,
+        resolver.local_world_size,
+        count,
+        _env.read_environment().cuda_visible_devices,
+        assigned=getattr(resolver, "gpu_ids", ()),
+    )
+    return [f"cuda:{index}"]
+
+
+def bind_process(devices: Sequence[torch.device]) -> torch.device | None:
+    """Makes this process's first CUDA replica device its current device.
+
+    Without it every process's plain ``.cuda()`` (and NCCL's own buffers) land on GPU 0.
+    """
+    cuda = [d for d in devices if d.type == "cuda"]
+    if not cuda:
+        return None
+    torch.cuda.set_device(cuda[0])
+    return cuda[0]
+
+
+def describe_cluster(resolver: ClusterResolver, world_size: int) -> str:
+    """What every worker must agree on: the training world and the cluster spec."""
+    spec = {str(job): tasks for job, tasks in resolver.cluster_spec().as_dict().items()}
+    return json.dumps({"world_size": world_size, "cluster": spec}, sort_keys=True, default=str)
+
+
+def backend_for(
+    implementation: CommunicationImplementation, devices: Sequence[torch.device]
+) -> str:
+    all_cuda = all(d.type == "cuda" for d in devices)
+    if implementation is CommunicationImplementation.NCCL:
+        if not all_cuda:
+            raise InvalidArgumentError(
+                "CommunicationImplementation.NCCL needs every replica on a CUDA device, got "
+                f"{[str(d) for d in devices]}; use RING (gloo) for CPU replicas."
+            )
+        return "nccl"
+    if implementation is CommunicationImplementation.RING:
+        return "gloo"
+    return "nccl" if all_cuda and torch.distributed.is_nccl_available() else "gloo"
