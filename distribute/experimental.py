@@ -1,4 +1,5 @@
-"""`ds.experimental`: communication options, value contexts and variable partitioners.
+"""`ds.experimental`: communication options, value contexts, variable partitioners and
+`FullyShardedStrategy`.
 
 A facade: each name is defined in the layer it belongs to (collectives, data,
 partitioners) and re-exported here, as tf.distribute's ``experimental`` namespace.
@@ -9,5 +10,12 @@ from __future__ import annotations
 from distribute import partitioners
 from distribute.collectives.options import CommunicationImplementation, CommunicationOptions
 from distribute.data.options import ValueContext
+from distribute.strategies.fully_sharded import FullyShardedStrategy
 
-__all__ = ["CommunicationImplementation", "CommunicationOptions", "ValueContext", "partitioners"]
+__all__ = [
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "FullyShardedStrategy",
+    "ValueContext",
+    "partitioners",
+]

@@ -566,16 +566,21 @@ def Variable(
     )
 
 
-def _capturing_strategy(what: str | None) -> Strategy | None:
+def _capturing_strategy(
+    what: str | None, module: torch.nn.Module, tensor: torch.Tensor
+) -> Strategy | None:
     """The strategy whose scope turns a new parameter or buffer into its variable.
 
     Inside `run` nothing is captured: each replica would make its own copy. A new
     parameter (``what``) is refused there when several replicas are in sync (see
     `_refuse_in_replica_context`) and otherwise left a plain tensor, as is a
-    buffer (``what=None``).
+    buffer (``what=None``). A strategy may leave some registrations alone
+    (`StrategyExtended._captures`: FSDP re-registering its own parameters).
     """
     top = context._top()
     if top is None or not top.strategy.extended._captures_modules:
+        return None
+    if not top.strategy.extended._captures(module, tensor):
         return None
     if top.replica_context is not None:
         if what is not None:
@@ -623,9 +628,18 @@ def _parameter_hook(
     if isinstance(param, DistributedVariable):
         param._ds_add_owner(module, "param", name)  # tied weights: one variable, two slots
         return None
-    strategy = _capturing_strategy("parameter") or _slot_strategy(module._parameters.get(name))
+    strategy = _capturing_strategy("parameter", module, param) or _slot_strategy(
+        module._parameters.get(name)
+    )
     if strategy is None:
         return None
+    return strategy.extended._capture_parameter(module, name, param)
+
+
+def capture_parameter(
+    strategy: Strategy, module: torch.nn.Module, name: str, param: torch.nn.Parameter
+) -> torch.nn.Parameter | None:
+    """A module's new parameter as ``strategy``'s variable (what a scope does by default)."""
     var = strategy.extended._create_variable(
         param.detach(),
         trainable=param.requires_grad,
@@ -646,9 +660,18 @@ def _buffer_hook(
     if isinstance(buffer, DistributedVariable):
         buffer._ds_add_owner(module, "buffer", name)
         return None
-    strategy = _capturing_strategy(None) or _slot_strategy(module._buffers.get(name))
+    strategy = _capturing_strategy(None, module, buffer) or _slot_strategy(
+        module._buffers.get(name)
+    )
     if strategy is None:
         return None
+    return strategy.extended._capture_buffer(module, name, buffer)
+
+
+def capture_buffer(
+    strategy: Strategy, module: torch.nn.Module, name: str, buffer: torch.Tensor
+) -> torch.Tensor | None:
+    """A module's new buffer as ``strategy``'s variable (what a scope does by default)."""
     var = strategy.extended._create_variable(
         buffer,
         trainable=False,
@@ -690,5 +713,16 @@ def buffer_aggregation(buffer: torch.Tensor) -> VariableAggregation:
     return VariableAggregation.ONLY_FIRST_REPLICA
 
 
+def _submodule_hook(module: torch.nn.Module, name: str, submodule: torch.nn.Module | None) -> None:
+    """Tells the capturing strategy that ``submodule`` became part of ``module`` (a
+    sharding strategy finds the roots of what its scope built this way)."""
+    top = context._top()
+    if submodule is None or top is None or top.replica_context is not None:
+        return
+    if top.strategy.extended._captures_modules:
+        top.strategy.extended._capture_submodule(module, submodule)
+
+
+_module.register_module_module_registration_hook(_submodule_hook)
 _module.register_module_parameter_registration_hook(_parameter_hook)  # type: ignore[arg-type]  # stubs say the hook returns None; returning a tensor replaces it
 _module.register_module_buffer_registration_hook(_buffer_hook)  # type: ignore[arg-type]  # stubs say the hook returns None; returning a tensor replaces it

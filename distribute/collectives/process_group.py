@@ -56,7 +56,7 @@ import itertools
 import logging
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -733,6 +733,28 @@ class ProcessGroupCollectives:
         self._wait(work, position, start)
         self._finished(position)
         return int(t.item())
+
+    def watch(self, kind: str, name: str, launch: Callable[[], Any]) -> None:
+        """Runs a collective issued elsewhere under this object's deadline and diagnosis.
+
+        ``launch`` issues the collective with ``async_op=True`` (on any group of these
+        processes) and returns its work; it is waited for as this object's own
+        collectives are (NOTE [no silent hangs]): within the timeout, or an error
+        naming the operation and the ranks that did not arrive. FSDP's all-gathers
+        and reduce-scatters go through here (strategies/_sharding.py).
+
+        Example::
+
+            collectives.watch(
+                "all_gather",
+                "FSDP all-gather of 'blocks.0' (forward)",
+                lambda: dist.all_gather_into_tensor(out, inp, group=group, async_op=True),
+            )
+        """
+        position, start = self._begin(kind, name)
+        work = launch()
+        self._wait(work, position, start)
+        self._finished(position)
 
     def barrier(self, name: str) -> None:
         """Waits until every rank reaches this point (or raises naming those that did not).

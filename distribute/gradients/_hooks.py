@@ -83,12 +83,27 @@ def _variables_of(optimizer: Optimizer, strategy: Strategy) -> list[DistributedV
     cached = _plans.get(optimizer)
     if cached is not None and cached[0] == key and cached[1]() is strategy:
         return cached[2]
-    own: list[DistributedVariable] = []
+    own: list[DistributedVariable] = []  # or tensors a strategy manages (`_ds_managed_by`)
     foreign: list[DistributedVariable] = []
+    foreign_managers: list[Any] = []
     shared = 0  # parameters every replica thread would update unsynchronized
     for p in params:
         if getattr(p, "_ds_on_parameter_server", False):
             continue  # updated on its ps, once per step (ps/_variables.py)
+        manager = getattr(p, "_ds_managed_by", None)  # a strategy's own tensor (FSDP's shards)
+        if manager is not None:
+            if manager is strategy:
+                own.append(p)
+            else:
+                foreign_managers.append(manager)
+            continue
+        if getattr(p, "_ds_sharded_away", False):
+            raise InvalidArgumentError(
+                "optimizer.step() got a parameter that FullyShardedStrategy has replaced by "
+                "its shards: the optimizer was built from the parameters before they were "
+                "sharded and would train nothing. Build it from model.parameters() after "
+                "the model's scope was left (or inside the scope, where it is repointed)"
+            )
         if not isinstance(p, DistributedVariable):
             shared += isinstance(p, Parameter)
         elif not p._ds_strategy.extended._captures_modules:
@@ -97,6 +112,12 @@ def _variables_of(optimizer: Optimizer, strategy: Strategy) -> list[DistributedV
             own.append(p)
         else:
             foreign.append(p)
+    if foreign_managers:
+        raise MixedStrategyError(
+            f"optimizer.step() inside `run` of {strategy!r} got parameters of "
+            f"{foreign_managers[0]!r}; a model is trained by the strategy whose scope "
+            "built it: call that strategy's `run`"
+        )
     if foreign:
         raise MixedStrategyError(
             f"optimizer.step() inside `run` of {strategy!r} got {len(foreign)} variables of "

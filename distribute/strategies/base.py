@@ -124,6 +124,30 @@ class StrategyExtended:
         """
         raise NotImplementedError
 
+    def _captures(self, module: torch.nn.Module, tensor: torch.Tensor) -> bool:
+        """Whether a parameter or buffer ``module`` registers in the scope is this
+        strategy's to capture (see `_capture_parameter`)."""
+        return True
+
+    def _capture_parameter(
+        self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
+    ) -> torch.nn.Parameter | None:
+        """What a parameter registered in the scope becomes (None: itself)."""
+        from distribute.variables import capture_parameter
+
+        return capture_parameter(self._container_strategy, module, name, param)
+
+    def _capture_buffer(
+        self, module: torch.nn.Module, name: str, buffer: torch.Tensor
+    ) -> torch.Tensor | None:
+        """What a buffer registered in the scope becomes (None: itself)."""
+        from distribute.variables import capture_buffer
+
+        return capture_buffer(self._container_strategy, module, name, buffer)
+
+    def _capture_submodule(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
+        """``child`` was attached to ``parent`` in the scope (nothing to do by default)."""
+
     def _place_variables(self, only: DistributedVariable | None = None) -> None:
         """Places variables kept where they were created (see `_create_variable`)."""
 

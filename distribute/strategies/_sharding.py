@@ -1,0 +1,471 @@
+"""Sharding the modules built in a `FullyShardedStrategy` scope with FSDP2.
+
+# NOTE [sharding]
+PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`, parameters as DTensors) does
+the sharding; this module decides what it shards and keeps the library's rules
+around it:
+
+* **What.** The scope records the modules whose parameters it sees registered,
+  and which module each was attached to, so the *roots* (the modules the user
+  built, not their parts) are known when the outermost scope is left, or at the
+  next `run`. Parameters stay plain tensors until then (no `MirroredVariable`:
+  FSDP replaces them by DTensors); buffers are the strategy's mirrored variables,
+  averaged after each `run` as under `MultiWorkerMirroredStrategy` (FSDP leaves
+  buffers alone).
+* **Units.** By default the repeated blocks (the children of a `ModuleList` or
+  `Sequential` holding two or more modules of one class with parameters) and the
+  root; ``shard_units`` gives classes or a predicate. A parameter shared between
+  two units (tied weights) must live in one: the units that share one are left
+  to their parent (FSDP would only refuse at the first forward). A unit whose
+  trainable parameters have several dtypes is refused now, naming them (FSDP
+  asserts at the first forward).
+* **The chief's values.** Every worker builds the whole model; rank 0's values are
+  broadcast (one packed, checked broadcast) before `fully_shard` takes each rank's
+  shard of its own copy (it would otherwise take a patchwork of every rank's
+  draws). `deferred_init` avoids the whole copy (NOTE [deferred init]).
+* **Sums.** Gradients are SUMMED over the workers, as everywhere in the library
+  (the loss is scaled by the global batch). FSDP averages by default;
+  `set_gradient_divide_factor(1.0)` alone becomes `PREMUL_SUM`, which gloo refuses,
+  so every FSDP module also gets `set_force_sum_reduction_for_comms(True)`: a
+  plain SUM on every backend and dtype. `set_reduce_scatter_unused_params(True)`
+  keeps the reduce-scatters of every rank the same size when a parameter is
+  unused on one (gloo aborts the process on mismatched sizes); an unused
+  parameter then gets a zero gradient, not None.
+* **No silent hangs.** FSDP's all-gathers and reduce-scatters go through the
+  strategy's `ProcessGroupCollectives.watch` (FSDP2's custom comm hooks), so a
+  dead or stuck worker is named with the unit and phase ("FSDP all-gather of
+  'blocks.2' (forward)") within the timeout. HSDP is FSDP over each shard group
+  plus an all-reduce hook over the replicate group, watched the same way.
+* **Optimizers built in the scope** hold the parameters FSDP replaced: they are
+  pointed at the shards (an optimizer with state for them is refused), and the
+  replaced parameters are marked so that a step over them is refused.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import gc
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from distribute.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from distribute.collectives.process_group import ProcessGroupCollectives
+
+__all__ = ["ShardedModules", "ShardingOptions", "UnitChooser", "choose_units"]
+
+#: Classes whose instances are sharding units, or a predicate of (name, module).
+UnitChooser = Sequence[type[torch.nn.Module]] | Callable[[str, torch.nn.Module], bool]
+
+
+@dataclass(frozen=True)
+class ShardingOptions:
+    """How the modules are sharded (see `FullyShardedStrategy`)."""
+
+    reshard_after_forward: bool = True
+    mesh_shape: tuple[int, int] | None = None
+    shard_units: UnitChooser | None = None
+    mixed_precision: Any = None
+    cpu_offload: bool = False
+
+
+class ShardedModules:
+    """The modules a scope built, and their sharding (NOTE [sharding]).
+
+    Args:
+        strategy: the strategy whose parameters these are.
+        options: `ShardingOptions`.
+        collectives: the workers' collectives (watch FSDP's, broadcast values).
+        device: this worker's device.
+        groups: ``(shard group, replicate group or None)``; the shard group is the
+            whole world unless HSDP.
+    """
+
+    def __init__(
+        self,
+        strategy: Any,
+        options: ShardingOptions,
+        collectives: ProcessGroupCollectives,
+        device: torch.device,
+        groups: tuple[Any, Any],
+    ) -> None:
+        self._strategy_ref = weakref.ref(strategy)
+        self._options = options
+        self._collectives = collectives
+        self._device = device
+        self._shard_group, self._replicate_group = groups
+        # Modules that registered parameters in a scope, and parent links seen there.
+        self._recorded: list[weakref.ref[torch.nn.Module]] = []
+        self._parents: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._roots: list[weakref.ref[torch.nn.Module]] = []  # sharded roots
+        self._sync_disabled = 0
+
+    # -- recording in the scope --------------------------------------------------------
+
+    def record(self, module: torch.nn.Module) -> None:
+        """``module`` registered a parameter in the scope."""
+        if not any(ref() is module for ref in self._recorded):
+            self._recorded.append(weakref.ref(module))
+
+    def record_child(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
+        """``child`` was attached to ``parent`` in the scope."""
+        self._parents[child] = parent
+
+    @property
+    def pending(self) -> bool:
+        """Whether modules wait to be sharded."""
+        return bool(self._recorded)
+
+    def roots(self) -> list[torch.nn.Module]:
+        """The sharded roots still alive."""
+        return [m for ref in self._roots if (m := ref()) is not None]
+
+    # -- sharding ------------------------------------------------------------------------
+
+    def shard_pending(self) -> None:
+        """Shards every root built since the last call (NOTE [sharding])."""
+        recorded = [m for ref in self._recorded if (m := ref()) is not None]
+        self._recorded = []
+        roots: list[torch.nn.Module] = []
+        for module in recorded:
+            root = module
+            seen = {id(root)}
+            while (parent := self._parents.get(root)) is not None and id(parent) not in seen:
+                root = parent
+                seen.add(id(root))
+            if all(root is not r for r in roots):
+                roots.append(root)
+        self._parents = weakref.WeakKeyDictionary()
+        # Creation order is the same on every worker; so is the roots' order.
+        for root in roots:
+            self._shard(root)
+
+    def _shard(self, root: torch.nn.Module) -> None:
+        if isinstance(root, FSDPModule):
+            return
+        strategy = self._strategy_ref()
+        units = choose_units(root, self._options.shard_units)
+        check_unit_dtypes(root, units)
+        before = dict(root.named_parameters(remove_duplicate=False))
+        originals = list({id(p): p for p in before.values()}.values())
+        self._broadcast_chief_values(originals)
+        mesh = _mesh(self._shard_group, self._device)
+        common: dict[str, Any] = {"mesh": mesh}
+        if self._options.mixed_precision is not None:
+            common["mp_policy"] = self._options.mixed_precision
+        if self._options.cpu_offload:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            common["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        reshard = self._options.reshard_after_forward
+        for unit in units:  # deepest first
+            fully_shard(unit, reshard_after_forward=reshard, **common)
+        fully_shard(root, reshard_after_forward=None if reshard else False, **common)
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                self._configure(module, root)
+        after = dict(root.named_parameters(remove_duplicate=False))
+        replaced: dict[int, torch.nn.Parameter] = {}
+        for name, new in after.items():
+            new._ds_managed_by = strategy  # type: ignore[attr-defined]  # read by the step hooks
+            old = before.get(name)
+            if old is not None and old is not new:
+                replaced[id(old)] = new
+        for old in originals:
+            if id(old) in replaced:
+                old._ds_sharded_away = True  # type: ignore[attr-defined]  # a step over it is refused
+        _repoint_optimizers(replaced)
+        root.register_forward_pre_hook(self._forward_outside_run, prepend=True)
+        self._roots.append(weakref.ref(root))
+
+    def _broadcast_chief_values(self, params: Sequence[torch.Tensor]) -> None:
+        """Every worker takes rank 0's values before FSDP keeps its shard of them."""
+        if self._collectives.world_size > 1 and params:
+            with torch.no_grad():
+                self._collectives.broadcast(
+                    [p.detach() for p in params], 0, name="initial parameter values"
+                )
+
+    def _configure(self, module: Any, root: torch.nn.Module) -> None:
+        """Sum semantics, same-size reduce-scatters and watched collectives."""
+        module.set_force_sum_reduction_for_comms(True)
+        module.set_gradient_divide_factor(1.0)
+        module.set_reduce_scatter_unused_params(True, recurse=False)
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None) or []
+        if len(groups) == 1:
+            name = _module_name(root, module)
+            module.set_custom_all_gather(_WatchedAllGather(self._collectives, groups[0], name))
+            module.set_custom_reduce_scatter(
+                _WatchedReduceScatter(self._collectives, groups[0], name)
+            )
+        if self._replicate_group is not None:
+            module.set_all_reduce_hook(
+                _ReplicateAllReduce(self._collectives, self._replicate_group, module, root)
+            )
+
+    def _forward_outside_run(self, module: torch.nn.Module, args: Any) -> None:
+        """A sharded model's forward is a collective: outside `run` every worker must
+        call it together (a forward on the chief alone would wait in FSDP's all-gather);
+        one small checked exchange first names the workers that do not."""
+        from distribute import context
+
+        strategy = self._strategy_ref()
+        if context._current_replica_context_for(strategy) is not None:  # type: ignore[arg-type]
+            return
+        if self._collectives.world_size > 1:
+            self._collectives.check_same(
+                ("forward of a sharded model", type(module).__name__),
+                name=(
+                    "forward of a FullyShardedStrategy model outside `run` (a collective of "
+                    "every worker: call it on every worker, e.g. inside strategy.run)"
+                ),
+            )
+
+    # -- accumulation ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate unreduced gradients (FSDP keeps them whole)."""
+        roots = self.roots()
+        self._sync_disabled += 1
+        if self._sync_disabled == 1:
+            for root in roots:
+                root.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            self._sync_disabled -= 1
+            if self._sync_disabled == 0:
+                for root in roots:
+                    root.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+# -- units --------------------------------------------------------------------------------
+
+
+def choose_units(root: torch.nn.Module, chooser: UnitChooser | None) -> list[torch.nn.Module]:
+    """The sharding units under ``root`` (root excluded), deepest first (NOTE [sharding])."""
+    named = [(name, m) for name, m in root.named_modules() if m is not root]
+    if chooser is None:
+        candidates = _repeated_blocks(root)
+    elif callable(chooser) and not isinstance(chooser, (list, tuple)):
+        candidates = [m for name, m in named if chooser(name, m)]
+    else:
+        classes = tuple(chooser)
+        candidates = [m for _, m in named if isinstance(m, classes)]
+    candidates = [m for m in candidates if any(True for _ in m.parameters())]
+    for m in candidates:
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            raise InvalidArgumentError(
+                f"shard_units chose a {type(m).__name__}, which has no forward; FSDP shards "
+                "modules that run: choose its elements (the blocks) instead"
+            )
+    candidates = _without_split_ties(root, candidates)
+    depth = {id(m): name.count(".") + 1 for name, m in named}
+    return sorted(candidates, key=lambda m: -depth[id(m)])
+
+
+def _repeated_blocks(root: torch.nn.Module) -> list[torch.nn.Module]:
+    """The children of every `ModuleList`/`Sequential` holding two or more modules of
+    one class with parameters (a transformer's layers, an MLP's linear layers)."""
+    blocks: list[torch.nn.Module] = []
+    for container in root.modules():
+        if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        children = [c for c in container.children() if any(True for _ in c.parameters())]
+        counts = collections.Counter(type(c) for c in children)
+        blocks.extend(c for c in children if counts[type(c)] >= 2)
+    return blocks
+
+
+def _without_split_ties(
+    root: torch.nn.Module, candidates: list[torch.nn.Module]
+) -> list[torch.nn.Module]:
+    """Drops units that share a parameter with anything outside them (tied weights
+    go to their parent unit, where both ends live)."""
+    while True:
+        owner: dict[int, int] = {}  # parameter id -> the innermost candidate holding it
+        inside = {id(c): {id(p) for p in c.parameters()} for c in candidates}
+        for index, c in enumerate(candidates):
+            for p in c.parameters():
+                previous = owner.get(id(p))
+                # the innermost: a candidate inside another holds fewer parameters
+                if previous is None or len(inside[id(c)]) < len(inside[id(candidates[previous])]):
+                    owner[id(p)] = index
+        split: set[int] = set()
+        for _, module in root.named_modules(remove_duplicate=False):
+            for p in module.parameters(recurse=False):
+                holder = owner.get(id(p))
+                if holder is None:
+                    continue
+                if not any(module is m for m in candidates[holder].modules(remove_duplicate=False)):
+                    split.add(holder)  # used by a module outside its unit: a tie
+        if not split:
+            return candidates
+        candidates = [c for i, c in enumerate(candidates) if i not in split]
+
+
+def check_unit_dtypes(root: torch.nn.Module, units: Sequence[torch.nn.Module]) -> None:
+    """Refuses a unit (or the root's own parameters) whose trainable parameters have
+    several dtypes: FSDP flattens each unit into one buffer of one dtype."""
+    claimed: set[int] = set()
+    for unit in [*units, root]:
+        names: dict[torch.dtype, list[str]] = {}
+        for name, p in unit.named_parameters():
+            if id(p) in claimed:
+                continue
+            claimed.add(id(p))
+            if p.requires_grad:
+                names.setdefault(p.dtype, []).append(name)
+        if len(names) > 1:
+            listed = "; ".join(f"{dtype}: {', '.join(ns[:3])}" for dtype, ns in names.items())
+            where = "the root" if unit is root else f"unit {type(unit).__name__}"
+            raise InvalidArgumentError(
+                f"{where} holds trainable parameters of several dtypes ({listed}); FSDP shards "
+                "each unit as one flat buffer of one dtype. Cast the module (module.to(dtype)), "
+                "or make the parameters of each dtype a unit of their own (shard_units)"
+            )
+
+
+# -- FSDP's collectives, watched ---------------------------------------------------------
+
+
+def _module_name(root: torch.nn.Module, module: torch.nn.Module) -> str:
+    if module is root:
+        return "<root>"
+    for name, m in root.named_modules():
+        if m is module:
+            return str(name)
+    return type(module).__name__
+
+
+def _phase(param_group: Any) -> str:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    state: Any = getattr(param_group, "_training_state", None)
+    if state == TrainingState.FORWARD:
+        return "forward"
+    if state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+        return "backward"
+    return "unshard"  # outside forward and backward (an explicit unshard)
+
+
+class _Watched:
+    """Issues FSDP's collective asynchronously and waits for it under the strategy's
+    deadline and diagnosis (`ProcessGroupCollectives.watch`)."""
+
+    def __init__(self, collectives: ProcessGroupCollectives, param_group: Any, name: str) -> None:
+        self._collectives = collectives
+        self._group = param_group
+        self._name = name
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def _label(self, what: str) -> str:
+        return f"FSDP {what} of {self._name!r} ({_phase(self._group)})"
+
+
+class _WatchedAllGather(_Watched, AllGather):
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: Any,
+        async_op: bool = False,
+    ) -> None:
+        self._collectives.watch(
+            "all_gather",
+            self._label("all-gather"),
+            lambda: dist.all_gather_into_tensor(
+                output_tensor, input_tensor, group=group, async_op=True
+            ),
+        )
+        return None  # done: FSDP waits only for a returned work
+
+
+class _WatchedReduceScatter(_Watched, ReduceScatter):
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: Any,
+        op: Any,
+        async_op: bool = False,
+    ) -> None:
+        self._collectives.watch(
+            "reduce_scatter",
+            self._label("reduce-scatter"),
+            lambda: dist.reduce_scatter_tensor(
+                output_tensor, input_tensor, op=op, group=group, async_op=True
+            ),
+        )
+        return None
+
+
+class _ReplicateAllReduce:
+    """HSDP: each shard's gradient summed over the replicate group, in place, watched."""
+
+    def __init__(
+        self,
+        collectives: ProcessGroupCollectives,
+        group: Any,
+        module: torch.nn.Module,
+        root: torch.nn.Module,
+    ) -> None:
+        self._collectives = collectives
+        self._group = group
+        self._name = _module_name(root, module)
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        self._collectives.watch(
+            "all_reduce",
+            f"HSDP all-reduce of {self._name!r} over the replicate group",
+            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group, async_op=True),
+        )
+
+
+# -- meshes and optimizers ---------------------------------------------------------------
+
+
+def _mesh(group: Any, device: torch.device) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, device.type)
+
+
+def _repoint_optimizers(replaced: dict[int, torch.nn.Parameter]) -> None:
+    """Points optimizers built in the scope from the replaced parameters at the shards
+    (NOTE [sharding]); refuses one that already holds state for them."""
+    if not replaced:
+        return
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.optim.Optimizer):  # type() never runs a proxy's code
+            continue
+        held = [p for g in obj.param_groups for p in g["params"] if id(p) in replaced]
+        if not held:
+            continue
+        with_state = [p for p in held if obj.state.get(p)]
+        if with_state:
+            raise InvalidArgumentError(
+                f"{type(obj).__name__} already holds state for {len(with_state)} parameters "
+                "that FullyShardedStrategy is replacing by their shards (it stepped before "
+                "the model was sharded); build the optimizer in the strategy's scope before "
+                "its first step, or after the scope was left"
+            )
+        for group in obj.param_groups:
+            group["params"] = [replaced.get(id(p), p) for p in group["params"]]

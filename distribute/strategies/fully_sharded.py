@@ -1,0 +1,318 @@
+"""`FullyShardedStrategy`: data parallelism with parameters, gradients and optimizer
+state sharded across the workers by PyTorch's FSDP2 (ZeRO-3 by default).
+
+Constructed like `MultiWorkerMirroredStrategy` (torchrun, ``TF_CONFIG`` or SLURM; gloo
+on CPUs, nccl on GPUs), one replica per worker process. Modules built in its scope
+are sharded when the scope is left (or at the first `run`): afterwards each worker
+holds only its shard of every parameter (a DTensor), its gradients and its optimizer
+state. See NOTE [sharding] in `_sharding.py` for what is sharded and how the
+library's rules (the chief's initial values, summed gradients, no silent hangs) are
+kept around FSDP.
+
+Launch with torchrun::
+
+    torchrun --nproc_per_node=2 examples/train_digits.py --strategy fully_sharded
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from distribute import context
+from distribute.cluster_resolver import ClusterResolver, resolve_cluster
+from distribute.collectives.options import CommunicationOptions
+from distribute.errors import InvalidArgumentError
+from distribute.gradients.sharded import ShardedStepHandler
+from distribute.strategies._cluster import (
+    backend_for,
+    bind_process,
+    describe_cluster,
+    worker_devices,
+)
+from distribute.strategies._devices import device_list
+from distribute.strategies._replicated import ReplicatedExtended
+from distribute.strategies.base import Strategy
+
+if TYPE_CHECKING:
+    from distribute.collectives.process_group import ProcessGroupCollectives
+    from distribute.strategies._sharding import ShardedModules, ShardingOptions
+
+__all__ = ["FullyShardedStrategy"]
+
+logger = logging.getLogger(__name__)
+
+
+class _ShardedExtended(ReplicatedExtended):
+    """The replicated engine with one replica per worker, whose modules FSDP shards:
+    parameters registered in the scope stay plain and are sharded later; buffers and
+    `ds.Variable`s are mirrored variables as under `MultiWorkerMirroredStrategy`."""
+
+    def __init__(self, container_strategy: Strategy, device: str, timeout: float | None) -> None:
+        super().__init__(container_strategy, [device], timeout_seconds=timeout)
+        self._step_handler = ShardedStepHandler(lambda: self._no_sync_depth > 0)  # type: ignore[assignment]  # a StepHandler of its own
+        self._sharding: ShardedModules | None = None
+
+    def _captures(self, module: torch.nn.Module, tensor: torch.Tensor) -> bool:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        # FSDP re-registers its own parameters (a module with its own __setattr__ at
+        # every unshard), and load_state_dict(assign=True) assigns DTensors.
+        return not isinstance(tensor, DTensor) and not isinstance(module, FSDPModule)
+
+    def _capture_parameter(
+        self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
+    ) -> torch.nn.Parameter | None:
+        assert self._sharding is not None
+        self._sharding.record(module)
+        return None  # a plain parameter until FSDP shards it
+
+    def _capture_submodule(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
+        if self._sharding is not None:
+            self._sharding.record_child(parent, child)
+
+    def _shard_pending(self) -> None:
+        if self._sharding is not None and self._sharding.pending:
+            self._sharding.shard_pending()
+
+    def _exit_scope(self) -> None:
+        if context._scope_depth(self._container_strategy) == 1:
+            try:
+                self._shard_pending()
+            except BaseException:
+                super()._exit_scope()
+                raise
+        super()._exit_scope()
+
+    def _before_run(self) -> None:
+        self._shard_pending()
+        super()._before_run()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, unreduced and whole
+        (FSDP keeps each unit's unsharded gradient); the step must come after the
+        block, once a backward pass outside it has reduced everything."""
+        assert self._sharding is not None
+        self._no_sync_depth += 1
+        try:
+            with self._sharding.no_sync():
+                yield
+        finally:
+            self._no_sync_depth -= 1
+
+
+class FullyShardedStrategy(Strategy):
+    """Synchronous training with parameters, gradients and optimizer state sharded
+    across the workers (FSDP2), for models larger than one device.
+
+    Every worker is one replica. A module built in the scope is sharded when the
+    outermost scope is left (or at the next `run`): each worker then holds only its
+    shard of each parameter (a DTensor), and gradients and optimizer state follow.
+    Initial values are the chief's, as under `MultiWorkerMirroredStrategy`; gradients
+    are summed over the workers before the step (scale the loss by the global batch:
+    `ds.compute_average_loss`). Unmodified `torch.optim` optimizers built in the scope
+    (or later, from `model.parameters()`) train the shards.
+
+    Args:
+        cluster_resolver: who is in the cluster; None reads torchrun's variables, else
+            ``TF_CONFIG``, else SLURM, else runs as a single worker.
+        communication_options: `ds.experimental.CommunicationOptions` (timeout,
+            implementation: RING = gloo, NCCL = nccl, AUTO: nccl on CUDA).
+        reshard_after_forward: True (ZeRO-3): units free their gathered parameters
+            after forward and gather them again in backward; False (ZeRO-2): they keep
+            them until backward.
+        mesh_shape: ``(replicate, shard)`` for hybrid sharding (HSDP): parameters are
+            sharded within groups of ``shard`` workers and replicated across the
+            ``replicate`` groups; None shards over every worker.
+        shard_units: the sharding units: module classes, or a predicate
+            ``fn(name, module) -> bool``; None: the repeated blocks of every
+            `ModuleList`/`Sequential` (two or more modules of one class) and the root.
+        mixed_precision: a `torch.distributed.fsdp.MixedPrecisionPolicy` (parameter
+            and reduce dtypes), or None.
+        cpu_offload: keep the shards (and optimizer state) on the CPU between uses.
+        devices: this worker's device (one); None: its GPU, else the CPU.
+
+    Raises:
+        InvalidArgumentError: several devices for one worker, a ``mesh_shape`` that
+            does not multiply to the number of workers.
+
+    Example:
+        >>> import distribute as ds, torch
+        >>> strategy = ds.experimental.FullyShardedStrategy()  # one worker without a launcher
+        >>> with strategy.scope():
+        ...     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> type(model[0].weight).__name__
+        'DTensor'
+        >>> strategy.shutdown()
+    """
+
+    def __init__(
+        self,
+        cluster_resolver: ClusterResolver | None = None,
+        communication_options: CommunicationOptions | None = None,
+        *,
+        reshard_after_forward: bool = True,
+        mesh_shape: tuple[int, int] | None = None,
+        shard_units: Sequence[type[torch.nn.Module]]
+        | Callable[[str, torch.nn.Module], bool]
+        | None = None,
+        mixed_precision: Any = None,
+        cpu_offload: bool = False,
+        devices: str | torch.device | Sequence[str | torch.device] | None = None,
+    ) -> None:
+        from distribute.strategies._sharding import ShardedModules, ShardingOptions
+
+        options = communication_options or CommunicationOptions()
+        resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
+        self._resolver = resolver
+        names = device_list(devices if devices is not None else worker_devices(resolver))
+        if len(names) != 1:
+            raise InvalidArgumentError(
+                f"FullyShardedStrategy runs one replica per worker process, got {len(names)} "
+                f"devices {names}; start one process per device (torchrun "
+                "--nproc_per_node=<devices>), or use MultiWorkerMirroredStrategy for several "
+                "local replicas"
+            )
+        extended = _ShardedExtended(self, names[0], options.timeout_seconds)
+        super().__init__(extended)
+        device = extended.worker_devices[0]
+        world_size = resolver.world_size if resolver is not None else 1
+        rank = resolver.rank if resolver is not None else 0
+        shape = _mesh_shape(mesh_shape, world_size)
+        bound = bind_process(extended.worker_devices)
+        backend = backend_for(options.implementation, extended.worker_devices)
+        self._collectives = _collectives(
+            resolver, rank, world_size, backend, extended._timeout, bound
+        )
+        if world_size > 1:
+            extended._set_workers(rank, world_size, self._collectives)
+        weakref.finalize(self, self._collectives.shutdown)
+        groups = _groups(shape, rank)
+        self._sharding_options = ShardingOptions(
+            reshard_after_forward=reshard_after_forward,
+            mesh_shape=shape,
+            shard_units=shard_units,
+            mixed_precision=mixed_precision,
+            cpu_offload=cpu_offload,
+        )
+        extended._sharding = ShardedModules(
+            self, self._sharding_options, self._collectives, device, groups
+        )
+        self._device = names[0]
+        if rank == 0 and world_size > 1:
+            logger.info(
+                "FullyShardedStrategy: %d workers, mesh %s, backend %s",
+                world_size,
+                shape or (world_size,),
+                backend,
+            )
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver | None:
+        """The resolver this strategy was built from (None for a single worker)."""
+        return self._resolver
+
+    @property
+    def worker_index(self) -> int:
+        """This worker's index (its rank in the process group)."""
+        return self._resolver.rank if self._resolver is not None else 0
+
+    @property
+    def num_workers(self) -> int:
+        """How many worker processes train together."""
+        return self._resolver.world_size if self._resolver is not None else 1
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this worker saves checkpoints and writes summaries (rank 0)."""
+        return self.worker_index == 0
+
+    @property
+    def sharding_options(self) -> ShardingOptions:
+        """How modules built in the scope are sharded."""
+        return self._sharding_options
+
+    def shutdown(self) -> None:
+        """Destroys the process group; the strategy cannot run collectives afterwards."""
+        self._collectives.shutdown()
+
+    def __repr__(self) -> str:
+        return (
+            f"FullyShardedStrategy(worker={self.worker_index}/{self.num_workers}, "
+            f"device={self._device!r})"
+        )
+
+
+def _mesh_shape(shape: tuple[int, int] | None, world_size: int) -> tuple[int, int] | None:
+    if shape is None:
+        return None
+    if len(shape) != 2 or any(int(n) < 1 for n in shape):
+        raise InvalidArgumentError(
+            f"mesh_shape must be (replicate, shard) with positive sizes, got {shape}"
+        )
+    replicate, shard = int(shape[0]), int(shape[1])
+    if replicate * shard != world_size:
+        raise InvalidArgumentError(
+            f"mesh_shape {shape}: replicate({replicate}) * shard({shard}) = "
+            f"{replicate * shard} != the {world_size} workers; pick sizes whose product is "
+            "the number of workers"
+        )
+    return (replicate, shard)
+
+
+def _collectives(
+    resolver: ClusterResolver | None,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout: float,
+    device: torch.device | None,
+) -> ProcessGroupCollectives:
+    """The workers' process group (FSDP needs one, a single worker too)."""
+    from distribute.collectives.process_group import ProcessGroupCollectives
+
+    if resolver is not None and world_size > 1:
+        return ProcessGroupCollectives.create(
+            resolver.rank,
+            world_size,
+            resolver.master_addr,
+            resolver.master_port,
+            backend=backend,
+            timeout_seconds=timeout,
+            cluster=describe_cluster(resolver, world_size),
+            prefix=resolver.rendezvous_prefix,
+            launcher_serves=resolver.launcher_serves_rendezvous,
+            device=device if backend == "nccl" else None,
+        )
+    if dist.is_initialized():
+        return ProcessGroupCollectives.adopt(timeout_seconds=timeout)
+    # One worker: a group of one, served by an in-process store (no port).
+    from torch._C._distributed_c10d import HashStore
+
+    dist.init_process_group(backend, store=HashStore(), rank=0, world_size=1, device_id=device)
+    return ProcessGroupCollectives(
+        None, None, 0, 1, backend, timeout, owns_group=True, device=device
+    )
+
+
+def _groups(shape: tuple[int, int] | None, rank: int) -> tuple[Any, Any]:
+    """(shard group, replicate group): the world and none, or HSDP's (every rank
+    makes every group, in the same order, as `dist.new_group` needs)."""
+    if shape is None:
+        return dist.group.WORLD, None
+    replicate, shard = shape
+    shard_groups = [
+        dist.new_group(list(range(r * shard, (r + 1) * shard))) for r in range(replicate)
+    ]
+    replicate_groups = [
+        dist.new_group(list(range(s, replicate * shard, shard))) for s in range(shard)
+    ]
+    return shard_groups[rank // shard], replicate_groups[rank % shard]
