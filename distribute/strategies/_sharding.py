@@ -154,6 +154,12 @@ class ShardedModules:
     def _shard(self, root: torch.nn.Module) -> None:
         if isinstance(root, FSDPModule):
             return
+        if isinstance(root, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            # A container without a forward cannot be a unit: its elements are roots.
+            for child in root.children():
+                if any(True for _ in child.parameters()):
+                    self._shard(child)
+            return
         strategy = self._strategy_ref()
         units = choose_units(root, self._options.shard_units)
         check_unit_dtypes(root, units)

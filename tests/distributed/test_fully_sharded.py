@@ -11,6 +11,7 @@ chief alone are named on every survivor within the timeout; misuse is refused.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
@@ -54,6 +55,15 @@ class TiedNet(torch.nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+
+class TwoDtypes(torch.nn.Module):
+    """One unit (the root) holding float32 and float64 parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(6, 6)
+        self.b = torch.nn.Linear(6, 1).double()
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,3 +313,160 @@ def test_gradients_are_exact_sums_over_the_workers(workers: int, mesh_shape: Any
     # default: the strategy must give the library's sum, exactly, on every path.
     for values in launch.run(_exact_sums, workers, args=(mesh_shape,), timeout=120):
         assert values == [float(workers * (workers + 1) // 2)], values
+
+
+# -- failures are named, never a silent hang -------------------------------------------------
+
+
+def _failing_worker(scenario: str, timeout: float) -> dict[str, Any]:
+    """Two workers train; worker 1 dies, skips a backward, or the chief runs a forward
+    alone. The survivors report what they raised and how long it took."""
+    strategy = ds.experimental.FullyShardedStrategy(
+        communication_options=ds.experimental.CommunicationOptions(timeout_seconds=timeout)
+    )
+    rank = _rank()
+    with strategy.scope():
+        model = TiedNet()
+        optimizer = _optimizer("sgd", model.parameters())
+    x, y = _data()
+
+    def step(skip_backward: bool) -> None:
+        loss = torch.nn.functional.cross_entropy(model(x[:8]), y[:8])
+        if not skip_backward:
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    strategy.run(step, args=(False,))  # one good step
+    start = time.monotonic()
+    try:
+        if scenario == "killed":
+            if rank == 1:
+                os._exit(0)
+            strategy.run(step, args=(False,))
+        elif scenario == "skipped_backward":
+            strategy.run(step, args=(rank == 1,))
+            strategy.run(step, args=(False,))
+        elif scenario == "chief_forward":
+            if rank == 0:
+                model(x[:8])  # outside run, on the chief alone
+            else:
+                time.sleep(timeout + 4)  # alive, in no collective
+                return {"error": None, "message": "", "seconds": 0.0}
+    except ds.errors.DistributeError as exc:
+        return {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "seconds": time.monotonic() - start,
+        }
+    return {"error": None, "message": "", "seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("scenario", ["killed", "skipped_backward", "chief_forward"])
+def test_a_failing_worker_is_named_on_the_survivors_within_the_timeout(scenario: str) -> None:
+    timeout = 6.0
+    results = launch.run(
+        _failing_worker, 2, args=(scenario, timeout), timeout=120, allow_missing=True
+    )
+    survivors = [r for r in results if r is not None and r["error"] is not None]
+    assert survivors, results
+    for out in survivors:
+        assert out["error"] in {"CollectiveTimeoutError", "CollectiveMismatchError"}, out
+        assert out["seconds"] < timeout + 5, out
+        message = out["message"]
+        if scenario == "chief_forward":
+            assert "forward of a FullyShardedStrategy model outside `run`" in message, message
+            assert "rank 1" in message, message
+        else:
+            assert "FSDP" in message, message  # the operation: an FSDP all-gather/reduce-scatter
+            other = 1 - results.index(out)
+            assert f"rank {other}" in message, message
+    if scenario == "killed":
+        assert "dead" in survivors[0]["message"], survivors[0]["message"]
+
+
+# -- misuse is refused, saying how to fix it ------------------------------------------------
+
+
+def _misuse() -> dict[str, str]:
+    """Each mistake in turn, on both workers (they stay in step: every check raises on
+    every worker at the same point)."""
+    seen: dict[str, str] = {}
+
+    def expect(name: str, error: type[BaseException], fn: Any) -> None:
+        try:
+            fn()
+        except error as exc:
+            seen[name] = str(exc)
+        else:
+            seen[name] = "<nothing raised>"
+
+    expect(
+        "two_devices",
+        ValueError,
+        lambda: ds.experimental.FullyShardedStrategy(devices=["cpu:0", "cpu:1"]),
+    )
+    expect(
+        "mesh_shape", ValueError, lambda: ds.experimental.FullyShardedStrategy(mesh_shape=(3, 1))
+    )
+    strategy = ds.experimental.FullyShardedStrategy()
+    x = torch.randn(4, 6)
+
+    def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        def step() -> None:
+            model(x).sum().backward()
+            optimizer.step()
+
+        strategy.run(step)
+
+    outside = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 1))
+    expect(
+        "built_outside_scope",
+        ValueError,
+        lambda: train(outside, torch.optim.SGD(outside.parameters(), lr=0.1)),
+    )
+
+    def mixed_dtypes() -> None:
+        with strategy.scope():
+            TwoDtypes()  # both layers in the root's unit
+
+    expect("mixed_dtypes", ValueError, mixed_dtypes)
+
+    def stepped_before_sharding() -> None:
+        with strategy.scope():
+            model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 1))
+            optimizer = torch.optim.Adam(model.parameters())
+            model(x).sum().backward()
+            optimizer.step()  # state for the parameters about to be replaced
+
+    expect("optimizer_with_state", ValueError, stepped_before_sharding)
+
+    with strategy.scope():
+        model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 1))
+        originals = list(model.parameters())
+    expect("stale_parameters", ValueError, lambda: train(model, torch.optim.SGD(originals, lr=0.1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step_inside_no_sync() -> None:
+        with strategy.extended.no_sync():
+            train(model, optimizer)
+
+    expect("step_in_no_sync", RuntimeError, step_inside_no_sync)
+    with strategy.scope():  # a container without a forward: its elements are the roots
+        layers = torch.nn.ModuleList([torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)])
+    seen["module_list"] = str(sorted({type(p).__name__ for p in layers.parameters()}))
+    strategy.shutdown()
+    return seen
+
+
+def test_misuse_is_refused_with_the_fix_on_every_worker() -> None:
+    for seen in launch.run(_misuse, 2, timeout=150):
+        assert "one replica per worker process" in seen["two_devices"], seen
+        assert "replicate(3) * shard(1) = 3 != the 2 workers" in seen["mesh_shape"], seen
+        assert "plain parameters" in seen["built_outside_scope"], seen
+        assert "several dtypes" in seen["mixed_dtypes"], seen
+        assert "torch.float64" in seen["mixed_dtypes"], seen
+        assert "already holds state" in seen["optimizer_with_state"], seen
+        assert "replaced by its shards" in seen["stale_parameters"], seen
+        assert "inside strategy.extended.no_sync()" in seen["step_in_no_sync"], seen
+        assert seen["module_list"] == "['DTensor']", seen
