@@ -71,7 +71,7 @@ class _ShardedExtended(ReplicatedExtended):
         self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
     ) -> torch.nn.Parameter | None:
         assert self._sharding is not None
-        self._sharding.record(module)
+        self._sharding.record(module, name, param)
         return None  # a plain parameter until FSDP shards it
 
     def _capture_submodule(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
@@ -81,6 +81,11 @@ class _ShardedExtended(ReplicatedExtended):
     def _shard_pending(self) -> None:
         if self._sharding is not None and self._sharding.pending:
             self._sharding.shard_pending()
+
+    def _enter_scope(self) -> None:
+        super()._enter_scope()
+        if context._scope_depth(self._container_strategy) == 1 and self._sharding is not None:
+            self._sharding.begin_deferred()
 
     def _exit_scope(self) -> None:
         if context._scope_depth(self._container_strategy) == 1:
@@ -138,6 +143,12 @@ class FullyShardedStrategy(Strategy):
         mixed_precision: a `torch.distributed.fsdp.MixedPrecisionPolicy` (parameter
             and reduce dtypes), or None.
         cpu_offload: keep the shards (and optimizer state) on the CPU between uses.
+        deferred_init: build the model without any worker ever holding it whole: every
+            worker runs the constructor drawing the chief's numbers and keeps only its
+            shard of each module's parameters once the next module registers its own
+            (NOTE [deferred init]). The values are exactly the chief's; code that
+            initializes a module's parameters after its __init__ (a parent's
+            ``self.apply(init_weights)``) is refused with `LateInitError`.
         devices: this worker's device (one); None: its GPU, else the CPU.
 
     Raises:
@@ -166,6 +177,7 @@ class FullyShardedStrategy(Strategy):
         | None = None,
         mixed_precision: Any = None,
         cpu_offload: bool = False,
+        deferred_init: bool = False,
         devices: str | torch.device | Sequence[str | torch.device] | None = None,
     ) -> None:
         from distribute.strategies._sharding import ShardedModules, ShardingOptions
@@ -202,6 +214,7 @@ class FullyShardedStrategy(Strategy):
             shard_units=shard_units,
             mixed_precision=mixed_precision,
             cpu_offload=cpu_offload,
+            deferred_init=deferred_init,
         )
         extended._sharding = ShardedModules(
             self, self._sharding_options, self._collectives, device, groups

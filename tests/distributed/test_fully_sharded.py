@@ -470,3 +470,74 @@ def test_misuse_is_refused_with_the_fix_on_every_worker() -> None:
         assert "replaced by its shards" in seen["stale_parameters"], seen
         assert "inside strategy.extended.no_sync()" in seen["step_in_no_sync"], seen
         assert seen["module_list"] == "['DTensor']", seen
+
+
+# -- deferred initialization ------------------------------------------------------------------
+
+
+class Wide(torch.nn.Module):
+    """Eight wide blocks; records how many real parameter elements exist after each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList()
+        self.real_after_each: list[int] = []
+        for _ in range(8):
+            self.blocks.append(torch.nn.Linear(64, 64))
+            self.real_after_each.append(
+                sum(p.numel() for p in self.blocks.parameters() if not p.is_meta)
+            )
+        self.norm = torch.nn.BatchNorm1d(64)
+
+
+class LateInit(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+        self.apply(lambda m: torch.nn.init.zeros_(m.weight) if hasattr(m, "weight") else None)
+
+
+def _deferred() -> dict[str, Any]:
+    strategy = ds.experimental.FullyShardedStrategy(deferred_init=True)
+    torch.manual_seed(100 + _rank())  # the chief's draws win
+    with strategy.scope():
+        tied = TiedNet(batchnorm=True)
+        wide = Wide()
+    after = torch.randn(3)  # each worker's own generator again
+    out = {
+        "tied": _full_state(tied),
+        "wide": _full_state(wide),
+        "real_after_each": wide.real_after_each,
+        "tie_kept": tied.head.weight is tied.embed.weight,
+        "after": after,
+    }
+    try:
+        with strategy.scope():
+            LateInit()
+        out["late"] = "<nothing raised>"
+    except ds.errors.DistributeError as exc:
+        out["late"] = f"{type(exc).__name__}: {exc}"
+    strategy.shutdown()
+    return out
+
+
+def test_deferred_init_gives_the_chief_s_values_without_a_whole_copy() -> None:
+    results = launch.run(_deferred, 2, timeout=150)
+    torch.manual_seed(100)
+    tied, wide = TiedNet(batchnorm=True), Wide()
+    for rank, out in enumerate(results):
+        for name, value in tied.state_dict().items():
+            assert torch.equal(out["tied"][name], value), name
+        for name, value in wide.state_dict().items():
+            assert torch.equal(out["wide"][name], value), name
+        assert out["tie_kept"]
+        # At most this worker's shards of the finished blocks and the block being built.
+        block = 64 * 64 + 64
+        for built, real in enumerate(out["real_after_each"], start=1):
+            assert real <= (built - 1) * block // 2 + block + 64, out["real_after_each"]
+        torch.manual_seed(100 + rank)
+        if rank == 0:  # the chief's generator advanced as building alone advances it
+            TiedNet(batchnorm=True), Wide()
+        assert torch.equal(out["after"], torch.randn(3)), "each worker's own generator"
+        assert "LateInitError" in out["late"] and "deferred_init=False" in out["late"], out["late"]
