@@ -541,3 +541,88 @@ def test_deferred_init_gives_the_chief_s_values_without_a_whole_copy() -> None:
             TiedNet(batchnorm=True), Wide()
         assert torch.equal(out["after"], torch.randn(3)), "each worker's own generator"
         assert "LateInitError" in out["late"] and "deferred_init=False" in out["late"], out["late"]
+
+
+# -- frozen parameters, autocast with ds.GradScaler, torch.compile ------------------------------
+
+
+def _short_run(
+    strategy: Any,
+    model: torch.nn.Module,
+    *,
+    autocast: bool = False,
+    scaler: bool = False,
+    steps: int = 4,
+) -> dict[str, torch.Tensor]:
+    with strategy.scope():
+        optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.01)
+        grad_scaler = ds.GradScaler("cpu") if scaler else None
+    x, y = _data()
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x[:48], y[:48]), batch_size=GLOBAL_BATCH
+    )
+
+    def step(xb: torch.Tensor, yb: torch.Tensor) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(xb)
+        per_example = torch.nn.functional.cross_entropy(logits.float(), yb, reduction="none")
+        loss = ds.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+        if grad_scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            grad_scaler.scale(loss).backward()
+            grad_scaler.step(optimizer)
+            grad_scaler.update()
+        optimizer.zero_grad()
+
+    done = 0
+    while done < steps:
+        for batch in strategy.experimental_distribute_dataset(loader):
+            strategy.run(step, args=batch)
+            done += 1
+    return _full_state(model)
+
+
+def _semantics() -> dict[str, Any]:
+    mirrored = ds.MultiWorkerMirroredStrategy()
+    sharded = ds.experimental.FullyShardedStrategy()
+    out: dict[str, Any] = {}
+    for name, strategy in (("mirrored", mirrored), ("sharded", sharded)):
+        torch.manual_seed(100 + _rank())
+        with strategy.scope():
+            frozen = TiedNet()
+            frozen.blocks[0].requires_grad_(False)
+        out[f"frozen_{name}"] = _short_run(strategy, frozen)
+        torch.manual_seed(100 + _rank())
+        with strategy.scope():
+            mixed = TiedNet()
+        out[f"autocast_{name}"] = _short_run(strategy, mixed, autocast=True, scaler=True)
+    torch.manual_seed(100 + _rank())
+    with sharded.scope():
+        plain = TiedNet()
+    torch.manual_seed(100 + _rank())
+    with sharded.scope():
+        compiled = TiedNet()
+    out["eager"] = _short_run(sharded, plain)
+    state = _short_run(sharded, torch.compile(compiled, backend="aot_eager"))
+    out["compiled"] = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
+    out["frozen_types"] = sorted({type(p).__name__ for p in frozen.parameters()})
+    sharded.shutdown()
+    mirrored.shutdown()
+    return out
+
+
+def test_frozen_parameters_autocast_with_grad_scaler_and_torch_compile() -> None:
+    for out in launch.run(_semantics, 2, timeout=200):
+        for kind in ("frozen", "autocast"):
+            for name, value in out[f"{kind}_mirrored"].items():
+                torch.testing.assert_close(
+                    out[f"{kind}_sharded"][name], value, rtol=0, atol=1e-5, msg=f"{kind} {name}"
+                )
+        torch.manual_seed(100)
+        frozen_start = TiedNet().blocks[0].linear.weight
+        assert torch.equal(out["frozen_sharded"]["blocks.0.linear.weight"], frozen_start)
+        for name, value in out["eager"].items():
+            torch.testing.assert_close(out["compiled"][name], value, rtol=0, atol=1e-6, msg=name)
+        assert out["frozen_types"] == ["DTensor"]
