@@ -171,61 +171,59 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _configs(configs: list[dict[str, Any]], mesh_shape: tuple[int, int] | None) -> list[Any]:
-    """Trains each config under one FullyShardedStrategy, seeds differing per worker."""
-    strategy = ds.experimental.FullyShardedStrategy(
-        mesh_shape=mesh_shape, reshard_after_forward=configs[0].get("reshard", True)
-    )
-    results = []
-    for config in configs:
-        torch.manual_seed(100 + _rank())  # the chief's values must win
-        with strategy.scope():
-            model = TiedNet()
-            optimizer = _optimizer(config["optimizer"], model.parameters())
-        locals_ = sum(p.to_local().numel() for p in model.parameters())
-        total = sum(p.numel() for p in model.parameters())
-        losses = _train_loop(
-            strategy,
-            model,
-            optimizer,
-            steps=20,
-            accumulate=config.get("accumulate", False),
-            clip=config.get("clip", False),
+def _parity(modes: list[bool], mesh_shape: tuple[int, int] | None) -> dict[str, Any]:
+    """Trains each config under a FullyShardedStrategy per sharding mode (seeds differing
+    per worker), then checks the exactness of the gradient sum."""
+    results: dict[str, Any] = {}
+    configs = HSDP_CONFIGS if mesh_shape is not None else CONFIGS
+    for reshard in modes:
+        strategy = ds.experimental.FullyShardedStrategy(
+            mesh_shape=mesh_shape, reshard_after_forward=reshard
         )
-        results.append(
-            {
-                "losses": losses,
-                "state": _full_state(model),
-                "local": locals_,
-                "total": total,
-                "tied": model.head.weight is model.embed.weight,
-                "types": sorted({type(p).__name__ for p in model.parameters()}),
-            }
-        )
-    strategy.shutdown()
+        runs = []
+        for config in configs:
+            torch.manual_seed(100 + _rank())  # the chief's values must win
+            with strategy.scope():
+                model = TiedNet()
+                optimizer = _optimizer(config["optimizer"], model.parameters())
+            locals_ = sum(p.to_local().numel() for p in model.parameters())
+            total = sum(p.numel() for p in model.parameters())
+            losses = _train_loop(
+                strategy,
+                model,
+                optimizer,
+                steps=20,
+                accumulate=config.get("accumulate", False),
+                clip=config.get("clip", False),
+            )
+            runs.append(
+                {
+                    "losses": losses,
+                    "state": _full_state(model),
+                    "local": locals_,
+                    "total": total,
+                    "tied": model.head.weight is model.embed.weight,
+                    "types": sorted({type(p).__name__ for p in model.parameters()}),
+                }
+            )
+        results["zero3" if reshard else "zero2"] = runs
+        results["sums"] = _exact_sums(strategy)
     return results
 
 
-def _batchnorm(kind: str) -> dict[str, Any]:
-    """The BatchNorm model under FullyShardedStrategy or MultiWorkerMirroredStrategy."""
-    if kind == "fsdp":
-        strategy: Any = ds.experimental.FullyShardedStrategy()
-    else:
-        strategy = ds.MultiWorkerMirroredStrategy()
+def _batchnorm(strategy: Any) -> dict[str, Any]:
+    """The BatchNorm model under ``strategy``."""
     torch.manual_seed(100 + _rank())
     with strategy.scope():
         model = TiedNet(batchnorm=True)
         optimizer = _optimizer("adam", model.parameters())
     losses = _train_loop(strategy, model, optimizer, steps=20, accumulate=False, clip=False)
-    state = _full_state(model)
-    strategy.shutdown()
-    return {"losses": losses, "state": state}
+    return {"losses": losses, "state": _full_state(model)}
 
 
-def _exact_sums(mesh_shape: tuple[int, int] | None) -> list[float]:
+def _exact_sums(strategy: Any) -> list[float]:
     """Worker r's loss makes every gradient element exactly r + 1 (two identity layers
     on a vector of ones): the sum over W workers is W(W+1)/2, an average (W+1)/2."""
-    strategy = ds.experimental.FullyShardedStrategy(mesh_shape=mesh_shape)
     with strategy.scope():
         model = torch.nn.Sequential(
             torch.nn.Linear(6, 6, bias=False), torch.nn.Linear(6, 6, bias=False)
@@ -238,11 +236,7 @@ def _exact_sums(mesh_shape: tuple[int, int] | None) -> list[float]:
         (model(torch.ones(1, 6)) * (rank + 1)).sum().backward()
 
     strategy.run(step)
-    values = sorted(
-        {float(v) for p in model.parameters() for v in p.grad.full_tensor().reshape(-1)}
-    )
-    strategy.shutdown()
-    return values
+    return sorted({float(v) for p in model.parameters() for v in p.grad.full_tensor().reshape(-1)})
 
 
 # -- parity -----------------------------------------------------------------------------------
@@ -253,6 +247,7 @@ CONFIGS = [
     {"optimizer": "adam"},
     {"optimizer": "adam", "accumulate": True, "clip": True},
 ]
+HSDP_CONFIGS = [{"optimizer": "adam", "accumulate": True, "clip": True}]
 
 
 def _assert_matches_reference(result: dict[str, Any], config: dict[str, Any]) -> None:
@@ -271,48 +266,58 @@ def _assert_matches_reference(result: dict[str, Any], config: dict[str, Any]) ->
     assert result["types"] == ["DTensor"]
 
 
-@pytest.mark.parametrize("reshard", [True, False], ids=["zero3", "zero2"])
-def test_training_matches_one_process_in_both_sharding_modes(reshard: bool) -> None:
-    configs = [{**c, "reshard": reshard} for c in CONFIGS]
-    results = launch.run(_configs, 2, args=(configs, None), timeout=200)
-    for worker in results:
-        for result, config in zip(worker, configs):
+@pytest.fixture(scope="module")
+def two_workers() -> list[dict[str, Any]]:
+    """One launch of 2 workers: both sharding modes, then the exact sums."""
+    return launch.run(_parity, 2, args=([True, False], None), timeout=200)
+
+
+@pytest.fixture(scope="module")
+def hsdp_workers() -> list[dict[str, Any]]:
+    """One launch of 4 workers on a (2, 2) mesh."""
+    return launch.run(_parity, 4, args=([True], (2, 2)), timeout=200)
+
+
+@pytest.mark.parametrize("mode", ["zero3", "zero2"])
+def test_training_matches_one_process_in_both_sharding_modes(
+    two_workers: list[dict[str, Any]], mode: str
+) -> None:
+    for worker in two_workers:
+        for result, config in zip(worker[mode], CONFIGS):
             _assert_matches_reference(result, config)
             # Each worker holds about half of every parameter.
             assert result["local"] <= result["total"] // 2 + 16, result
 
 
-def test_hsdp_on_a_2x2_mesh_matches_one_process() -> None:
-    configs = [{"optimizer": "adam", "accumulate": True, "clip": True}]
-    results = launch.run(_configs, 4, args=(configs, (2, 2)), timeout=200)
-    for worker in results:
-        _assert_matches_reference(worker[0], configs[0])
-        assert worker[0]["local"] <= worker[0]["total"] // 2 + 16
+def test_hsdp_on_a_2x2_mesh_matches_one_process(hsdp_workers: list[dict[str, Any]]) -> None:
+    for worker in hsdp_workers:
+        _assert_matches_reference(worker["zero3"][0], HSDP_CONFIGS[0])
+        assert worker["zero3"][0]["local"] <= worker["zero3"][0]["total"] // 2 + 16
 
 
-def test_batchnorm_training_matches_multi_worker_mirrored() -> None:
+def test_gradients_are_exact_sums_over_the_workers(
+    two_workers: list[dict[str, Any]], hsdp_workers: list[dict[str, Any]]
+) -> None:
+    # gloo's AVG reduce-scatter was reported to sum (pytorch#162338); FSDP averages by
+    # default: the strategy must give the library's sum, exactly, on every path.
+    for workers, count in ((two_workers, 2), (hsdp_workers, 4)):
+        for worker in workers:
+            assert worker["sums"] == [float(count * (count + 1) // 2)], worker["sums"]
+
+
+def test_batchnorm_training_matches_multi_worker_mirrored(
+    against_mirrored: list[dict[str, Any]],
+) -> None:
     # Per-replica batch statistics, averaged buffers: MultiWorkerMirrored's numbers.
-    sharded = launch.run(_batchnorm, 2, args=("fsdp",), timeout=200)
-    mirrored = launch.run(_batchnorm, 2, args=("mirrored",), timeout=200)
-    for a, b in zip(sharded, mirrored):
+    for out in against_mirrored:
+        a, b = out["bn_sharded"], out["bn_mirrored"]
         torch.testing.assert_close(
             torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=0, atol=1e-5
         )
         for name, value in b["state"].items():
             torch.testing.assert_close(a["state"][name], value, rtol=0, atol=1e-5, msg=name)
-    assert torch.equal(
-        sharded[0]["state"]["norm.running_mean"], sharded[1]["state"]["norm.running_mean"]
-    )
-
-
-@pytest.mark.parametrize(
-    ("workers", "mesh_shape"), [(2, None), (4, (2, 2))], ids=["fsdp2", "hsdp2x2"]
-)
-def test_gradients_are_exact_sums_over_the_workers(workers: int, mesh_shape: Any) -> None:
-    # gloo's AVG reduce-scatter was reported to sum (pytorch#162338); FSDP averages by
-    # default: the strategy must give the library's sum, exactly, on every path.
-    for values in launch.run(_exact_sums, workers, args=(mesh_shape,), timeout=120):
-        assert values == [float(workers * (workers + 1) // 2)], values
+    first, second = (out["bn_sharded"]["state"] for out in against_mirrored)
+    assert torch.equal(first["norm.running_mean"], second["norm.running_mean"])
 
 
 # -- failures are named, never a silent hang -------------------------------------------------
@@ -351,7 +356,7 @@ def _failing_worker(scenario: str, timeout: float) -> dict[str, Any]:
             if rank == 0:
                 model(x[:8])  # outside run, on the chief alone
             else:
-                time.sleep(timeout + 4)  # alive, in no collective
+                time.sleep(timeout + 1.5)  # alive, in no collective, past the deadline
                 return {"error": None, "message": "", "seconds": 0.0}
     except ds.errors.DistributeError as exc:
         return {
@@ -364,7 +369,7 @@ def _failing_worker(scenario: str, timeout: float) -> dict[str, Any]:
 
 @pytest.mark.parametrize("scenario", ["killed", "skipped_backward", "chief_forward"])
 def test_a_failing_worker_is_named_on_the_survivors_within_the_timeout(scenario: str) -> None:
-    timeout = 6.0
+    timeout = 4.0
     results = launch.run(
         _failing_worker, 2, args=(scenario, timeout), timeout=120, allow_missing=True
     )
@@ -589,6 +594,7 @@ def _semantics() -> dict[str, Any]:
     sharded = ds.experimental.FullyShardedStrategy()
     out: dict[str, Any] = {}
     for name, strategy in (("mirrored", mirrored), ("sharded", sharded)):
+        out[f"bn_{name}"] = _batchnorm(strategy)
         torch.manual_seed(100 + _rank())
         with strategy.scope():
             frozen = TiedNet()
@@ -613,8 +619,16 @@ def _semantics() -> dict[str, Any]:
     return out
 
 
-def test_frozen_parameters_autocast_with_grad_scaler_and_torch_compile() -> None:
-    for out in launch.run(_semantics, 2, timeout=200):
+@pytest.fixture(scope="module")
+def against_mirrored() -> list[dict[str, Any]]:
+    """One launch of 2 workers, each with a MultiWorkerMirrored and a sharded strategy."""
+    return launch.run(_semantics, 2, timeout=200)
+
+
+def test_frozen_parameters_autocast_with_grad_scaler_and_torch_compile(
+    against_mirrored: list[dict[str, Any]],
+) -> None:
+    for out in against_mirrored:
         for kind in ("frozen", "autocast"):
             for name, value in out[f"{kind}_mirrored"].items():
                 torch.testing.assert_close(
