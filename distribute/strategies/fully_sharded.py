@@ -92,7 +92,7 @@ class _ShardedExtended(ReplicatedExtended):
             try:
                 self._shard_pending()
             except BaseException:
-                super()._exit_scope()
+                context._exit_scope()  # leave the scope, and nothing more, on the way out
                 raise
         super()._exit_scope()
 
