@@ -52,6 +52,8 @@ from distribute.checkpoint._objects import (
     capture_state,
     direct_targets,
     is_per_worker,
+    sharded_templates,
+    strategy_of,
 )
 from distribute.checkpoint._storage import (
     VerifyingReader,
@@ -61,7 +63,6 @@ from distribute.checkpoint._storage import (
     tensor_index,
 )
 from distribute.errors import InvalidArgumentError
-from distribute.variables import DistributedVariable
 
 __all__ = ["Checkpoint"]
 
@@ -78,18 +79,21 @@ class _Collectives(Protocol):
     def barrier(self, name: str) -> None: ...
 
 
-def _variables_of(obj: Any) -> list[DistributedVariable]:
-    if isinstance(obj, DistributedVariable):
-        return [obj]
-    if isinstance(obj, torch.nn.Module):
-        return [
-            v for v in obj.state_dict(keep_vars=True).values() if isinstance(v, DistributedVariable)
-        ]
-    if isinstance(obj, torch.optim.Optimizer):
-        return [
-            p for g in obj.param_groups for p in g["params"] if isinstance(p, DistributedVariable)
-        ]
-    return []
+def _strategy_holding(obj: Any) -> Any:
+    """The strategy whose variables (or, under `FullyShardedStrategy`, whose sharded
+    parameters) ``obj`` holds; None if it holds none."""
+    values: list[Any] = []
+    if isinstance(obj, torch.Tensor):
+        values = [obj]
+    elif isinstance(obj, torch.nn.Module):
+        values = list(obj.state_dict(keep_vars=True).values())
+    elif isinstance(obj, torch.optim.Optimizer):
+        values = [p for g in obj.param_groups for p in g["params"]]
+    for value in values:
+        strategy = strategy_of(value)
+        if strategy is not None:
+            return strategy
+    return None
 
 
 class Checkpoint:
@@ -241,10 +245,16 @@ class Checkpoint:
                 if isinstance(skeleton, dict) and "steps" in skeleton and "epoch" in skeleton:
                     skeletons[name] = skeleton
                     borrowed.add(name)
-        wanted = dict(templates(skeletons))
-        for name, obj in self._objects.items():  # read straight into the live tensors
-            if name in skeletons:
-                wanted.update(direct_targets(name, obj, skeletons[name], wanted))
+        shapes = dict(templates(skeletons, device="meta"))  # shapes and dtypes, no memory
+        targets: dict[str, torch.Tensor] = {}
+        for name, obj in self._objects.items():
+            if name in skeletons:  # the live tensors, and this worker's shards of the rest
+                targets.update(direct_targets(name, obj, skeletons[name], shapes))
+                targets.update(sharded_templates(name, obj, skeletons[name], shapes))
+        wanted = {
+            key: targets[key] if key in targets else torch.empty_like(shape, device="cpu")
+            for key, shape in shapes.items()
+        }
         try:
             with _quiet_single_process():
                 dcp_load(wanted, storage_reader=reader, no_dist=world_size == 1)
@@ -310,10 +320,9 @@ class Checkpoint:
 
         candidates: list[Any] = []
         for obj in self._objects.values():
-            candidates += [
-                getattr(v._ds_strategy.extended, "_cross_worker", None)
-                for v in _variables_of(obj)[:1]
-            ]
+            strategy = _strategy_holding(obj)
+            if strategy is not None:
+                candidates.append(getattr(strategy.extended, "_cross_worker", None))
             if isinstance(obj, DistributedIterator):
                 candidates.append(obj._workers.collectives)
         candidates.append(getattr(context.get_strategy().extended, "_cross_worker", None))

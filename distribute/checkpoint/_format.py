@@ -137,20 +137,25 @@ def flatten(prefix: str, value: Any, tensors: dict[str, torch.Tensor]) -> Skelet
     )
 
 
-def templates(skeleton: Skeleton) -> Iterator[tuple[str, torch.Tensor]]:
-    """Empty CPU tensors for every tensor placeholder of ``skeleton`` (DCP loads into them)."""
+def templates(
+    skeleton: Skeleton, device: str | torch.device = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Empty tensors on ``device`` for every tensor placeholder of ``skeleton`` (DCP
+    loads into them; on the ``"meta"`` device they are shapes and dtypes, no memory)."""
     if isinstance(skeleton, dict):
         if "__tensor__" in skeleton:
             yield (
                 skeleton["__tensor__"],
-                torch.empty(skeleton["shape"], dtype=dtype_by_name(skeleton["dtype"])),
+                torch.empty(
+                    skeleton["shape"], dtype=dtype_by_name(skeleton["dtype"]), device=device
+                ),
             )
             return
         for value in skeleton.values():
-            yield from templates(value)
+            yield from templates(value, device)
     elif isinstance(skeleton, list):
         for value in skeleton:
-            yield from templates(value)
+            yield from templates(value, device)
 
 
 def unflatten(skeleton: Skeleton, tensors: dict[str, torch.Tensor]) -> Any:

@@ -6,6 +6,12 @@ replica 0's (every replica's is the same: they apply identical updates). Writing
 back goes through each variable's cross-replica ``assign``, which sets every
 replica's copy on every worker.
 
+Under `FullyShardedStrategy` a parameter is a DTensor holding this worker's shard,
+and the optimizer's state of it too: their logical value is the DTensor's global
+one (DCP writes each worker's shards of it), and restoring reads only this
+worker's shard of it (`sharded_templates`; a whole value given later is split,
+`_write_sharded` and `_sharded_state`).
+
 Per-worker values (RNG state, the input position) are kept per rank: they
 differ between workers and mean nothing to another worker.
 """
@@ -17,12 +23,21 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from distribute._enums import VariableAggregation, VariableSynchronization
 from distribute.errors import InvalidArgumentError
 from distribute.variables import DistributedVariable
 
-__all__ = ["RNGState", "apply_state", "capture_state", "direct_targets", "is_per_worker"]
+__all__ = [
+    "RNGState",
+    "apply_state",
+    "capture_state",
+    "direct_targets",
+    "is_per_worker",
+    "sharded_templates",
+    "strategy_of",
+]
 
 
 class RNGState:
@@ -61,6 +76,15 @@ class RNGState:
         if cuda and torch.cuda.is_available():
             for device, generator in enumerate(cuda[: torch.cuda.device_count()]):
                 torch.cuda.set_rng_state(generator, device)
+
+
+def strategy_of(value: Any) -> Any:
+    """The strategy a tensor belongs to: a distributed variable's, or the strategy
+    that manages it (`FullyShardedStrategy`'s shards carry ``_ds_managed_by``); None
+    for a plain tensor."""
+    if isinstance(value, DistributedVariable):
+        return value._ds_strategy
+    return getattr(value, "_ds_managed_by", None)
 
 
 def is_per_worker(obj: Any) -> bool:
@@ -137,6 +161,8 @@ def apply_state(name: str, obj: Any, state: Any) -> Any:
 
         load_optimizer_state(obj, state)
         return obj
+    if isinstance(obj, torch.optim.Optimizer):
+        state = _sharded_state(obj, state)
     obj.load_state_dict(state)
     return obj
 
@@ -147,10 +173,11 @@ def direct_targets(
     """The live tensors of module ``obj`` that a checkpoint can be read straight into.
 
     A mirrored variable's primary copy (the others follow from it before the
-    next `run`, as after any cross-replica write) and plain parameters and
-    buffers, where shape and dtype match; the read then needs no copy through a
-    temporary tensor. A sync-on-read variable needs `assign` (it divides a sum
-    between its copies), so it is not among them.
+    next `run`, as after any cross-replica write), plain parameters and buffers,
+    and `FullyShardedStrategy`'s DTensor parameters (DCP reads this worker's
+    shard into them), where shape and dtype match; the read then needs no copy
+    through a temporary tensor. A sync-on-read variable needs `assign` (it
+    divides a sum between its copies), so it is not among them.
     """
     if not isinstance(obj, torch.nn.Module) or not isinstance(skeleton, dict):
         return {}
@@ -173,6 +200,112 @@ def direct_targets(
         if plain.is_contiguous():
             direct[entry["__tensor__"]] = plain
     return direct
+
+
+def sharded_templates(
+    name: str, obj: Any, skeleton: Any, wanted: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Templates that read only this worker's shard of optimizer ``obj``'s state.
+
+    Under `FullyShardedStrategy` a parameter is a DTensor, and so is the optimizer's
+    state of it: each saved state tensor of the parameter's global shape gets an
+    empty DTensor sharded like the parameter, so DCP reads this worker's chunk (a
+    plain template would hold the whole value on every worker, and the optimizer
+    would then mix plain tensors with DTensors). Scalars (Adam's ``step``) and
+    tensors of other shapes keep plain templates. Saved parameters are matched to
+    the optimizer's by position, as ``load_state_dict`` matches them.
+    """
+    if (
+        not isinstance(obj, torch.optim.Optimizer)
+        or _is_ps_optimizer(obj)
+        or not isinstance(skeleton, dict)
+    ):
+        return {}
+    params = _saved_parameters(obj, skeleton.get("param_groups"))
+    sharded: dict[str, torch.Tensor] = {}
+    for index, entries in _items(skeleton.get("state")):
+        param = params.get(index)
+        if not isinstance(param, DTensor) or not isinstance(entries, dict):
+            continue
+        for entry in entries.values():
+            if not isinstance(entry, dict) or "__tensor__" not in entry:
+                continue
+            template = wanted.get(entry["__tensor__"])
+            if template is not None and _shards_like(template, param):
+                sharded[entry["__tensor__"]] = torch.distributed.tensor.empty(
+                    param.shape,
+                    dtype=template.dtype,
+                    device_mesh=param.device_mesh,
+                    placements=param.placements,
+                )
+    return sharded
+
+
+def _shards_like(value: torch.Tensor, param: DTensor) -> bool:
+    """Whether optimizer state ``value`` is per element of ``param`` (its global shape)."""
+    return value.dim() > 0 and tuple(value.shape) == tuple(param.shape)
+
+
+def _items(skeleton: Any) -> list[tuple[Any, Any]]:
+    """The (key, value) pairs of a flattened dict (`flatten` writes a dict with
+    integer keys, such as an optimizer's state, as ``{"__dict__": [[k, v], ...]}``)."""
+    if not isinstance(skeleton, dict):
+        return []
+    if "__dict__" in skeleton:
+        items = skeleton["__dict__"]
+        if not isinstance(items, list):
+            return []
+        return [(item[0], item[1]) for item in items if isinstance(item, list) and len(item) == 2]
+    return list(skeleton.items())
+
+
+def _saved_parameters(optimizer: torch.optim.Optimizer, groups: Any) -> dict[Any, Any]:
+    """The optimizer's parameters by their saved index (``load_state_dict``'s pairing:
+    the saved groups' ``params`` in order against the optimizer's); empty where the
+    groups do not pair up (``load_state_dict`` then names the mismatch)."""
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+        return {}
+    pairs: dict[Any, Any] = {}
+    for saved, group in zip(groups, optimizer.param_groups):
+        indices = saved.get("params") if isinstance(saved, dict) else None
+        if not isinstance(indices, list) or len(indices) != len(group["params"]):
+            return {}
+        pairs.update(zip(indices, group["params"]))
+    return pairs
+
+
+def _sharded_state(optimizer: torch.optim.Optimizer, state: Any) -> Any:
+    """``state`` with each whole (plain) state tensor of a DTensor parameter replaced
+    by this worker's shard of it, sharded like the parameter (a state restored
+    before the optimizer was attached was read whole)."""
+    if not isinstance(state, dict) or not isinstance(state.get("state"), dict):
+        return state
+    params = _saved_parameters(optimizer, state.get("param_groups"))
+    per_parameter: dict[Any, Any] = {}
+    for index, entries in state["state"].items():
+        param = params.get(index)
+        if isinstance(param, DTensor) and isinstance(entries, dict):
+            entries = {
+                key: _shard_of(value, param)
+                if isinstance(value, torch.Tensor)
+                and not isinstance(value, DTensor)
+                and _shards_like(value, param)
+                else value
+                for key, value in entries.items()
+            }
+        per_parameter[index] = entries
+    return {**state, "state": per_parameter}
+
+
+def _shard_of(value: torch.Tensor, like: DTensor) -> DTensor:
+    """This worker's shard of the whole tensor ``value``, placed as ``like`` (no
+    communication: every worker holds ``value``)."""
+    return distribute_tensor(
+        value.to(like.to_local().device),
+        like.device_mesh,
+        like.placements,
+        src_data_rank=None,
+    )
 
 
 def _load_module(name: str, module: torch.nn.Module, state: dict[str, Any]) -> None:
@@ -204,6 +337,9 @@ def _write_tensor(name: str, target: torch.Tensor, value: Any) -> None:
     if _is_sharded(target):
         target.assign(value)  # type: ignore[attr-defined]  # a ShardedVariable: shard by shard, on the ps
         return
+    if isinstance(target, DTensor):
+        _write_sharded(target, value)
+        return
     primary = target._plain_component(0) if isinstance(target, DistributedVariable) else target
     if value.data_ptr() == primary.data_ptr() and value.numel():
         _written_through(target)
@@ -219,6 +355,25 @@ def _write_tensor(name: str, target: torch.Tensor, value: Any) -> None:
         return
     with torch.no_grad():
         target.copy_(value)
+
+
+def _write_sharded(target: DTensor, value: torch.Tensor) -> None:
+    """A DTensor (`FullyShardedStrategy`'s shard of a parameter): this worker's part
+    of ``value`` goes into its shard, in place (FSDP gathers from that storage).
+
+    A DTensor has no storage of its own (its ``data_ptr()`` is 0 for every one), so
+    a value read straight into the target is recognized by its local tensor.
+    """
+    with torch.no_grad():
+        local = target.to_local()
+        if isinstance(value, DTensor):
+            if value.to_local().data_ptr() == local.data_ptr():
+                return  # read straight into it (`direct_targets`)
+            if value.device_mesh != target.device_mesh or value.placements != target.placements:
+                value = _shard_of(value.full_tensor(), target)
+        else:
+            value = _shard_of(value, target)
+        local.copy_(value.to_local())
 
 
 def _written_through(target: torch.Tensor) -> None:
