@@ -43,7 +43,7 @@ import torch
 
 from distribute import context
 from distribute._enums import ReduceOp
-from distribute.checkpoint._objects import apply_state, capture_state
+from distribute.checkpoint._objects import apply_state, capture_state, strategy_of
 from distribute.errors import ContextError, InvalidArgumentError
 from distribute.losses import compute_average_loss
 from distribute.training import losses as losses_lib
@@ -539,11 +539,12 @@ class Model(torch.nn.Module):
 
 
 def _strategy_of(module: torch.nn.Module) -> Any:
-    from distribute.variables import DistributedVariable
-
+    """The strategy whose scope built ``module``: its variables', or the one that
+    sharded its parameters (`FullyShardedStrategy`)."""
     for value in module.state_dict(keep_vars=True).values():
-        if isinstance(value, DistributedVariable):
-            return value._ds_strategy
+        strategy = strategy_of(value)
+        if strategy is not None:
+            return strategy
     return None
 
 
