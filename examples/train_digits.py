@@ -8,6 +8,7 @@ The training step is written once; only the strategy object changes:
     python examples/train_digits.py --strategy mirrored --replicas 4  # 4 logical CPU replicas
     python examples/train_digits.py --strategy central_storage --replicas 2
     torchrun --nproc_per_node=2 examples/train_digits.py --strategy multi_worker
+    torchrun --nproc_per_node=2 examples/train_digits.py --strategy fully_sharded  # FSDP2
     python examples/train_digits.py --checkpoint-dir /tmp/digits  # stop it, run again: resumes
     python examples/train_digits.py --api fit                # Keras-style model.fit
     PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 .xla-venv/bin/python examples/train_digits.py \
@@ -40,6 +41,7 @@ STRATEGIES = (
     "mirrored",
     "central_storage",
     "multi_worker",
+    "fully_sharded",
     "tpu",
     "parameter_server",
     "parameter_server_v1",
@@ -49,7 +51,7 @@ STRATEGIES = (
 def make_strategy(name: str, replicas: int | None, device: str, spmd: bool = False) -> ds.Strategy:
     """The only line that differs between one CPU, several replicas and several workers."""
     if replicas is None:  # several logical replicas in one process; one per worker process
-        replicas = 1 if name == "multi_worker" else 2
+        replicas = 1 if name in ("multi_worker", "fully_sharded") else 2
     logical = [f"{device}:{i}" for i in range(replicas)] if device == "cpu" else None
     if name == "default":
         return ds.get_strategy()
@@ -61,6 +63,8 @@ def make_strategy(name: str, replicas: int | None, device: str, spmd: bool = Fal
         return ds.CentralStorageStrategy(logical)
     if name == "multi_worker":
         return ds.MultiWorkerMirroredStrategy(devices=logical if replicas > 1 else None)
+    if name == "fully_sharded":  # one replica per process; each holds 1/N of the weights
+        return ds.experimental.FullyShardedStrategy()
     if name == "tpu":  # every XLA device: one replica each, or one SPMD program
         return ds.TPUStrategy(experimental_spmd_xla_partitioning=spmd)
     raise SystemExit(f"unknown --strategy {name!r}; choose from {', '.join(STRATEGIES)}")
@@ -102,7 +106,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--replicas",
         type=int,
         default=None,
-        help="logical CPU replicas per process (default: 2, or 1 with multi_worker)",
+        help="logical CPU replicas per process (default: 2, or 1 with multi_worker "
+        "and fully_sharded)",
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument(

@@ -1,16 +1,25 @@
 """The README's main example trains for real and gives the same numbers under every
-single-process strategy."""
+single-process strategy, and under FullyShardedStrategy as one worker, as two torchrun
+workers and as two TF_CONFIG workers."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
+from distribute import launch
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "train_digits.py"
 
 
 def _load() -> ModuleType:
@@ -89,3 +98,75 @@ def test_the_convolutional_example_learns_digits() -> None:
     spec.loader.exec_module(module)
     result = module.main(["--quiet"])
     assert result["validation_accuracy"] > 0.85
+
+
+# -- FullyShardedStrategy: one worker, two torchrun workers, two TF_CONFIG workers ---------
+
+SHARDED = ["--strategy", "fully_sharded", "--epochs", "2", "--quiet"]
+
+
+def _script(args: list[str], *, torchrun: bool) -> dict[str, Any]:
+    """The example as a command (a process group of its own, never this process's); the
+    chief's JSON line."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = [
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={launch.free_ports(1)[0]}",
+    ]
+    cmd = [sys.executable, *(launcher if torchrun else []), str(EXAMPLE), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, proc.stdout  # only the chief prints
+    result: dict[str, Any] = lines[0]
+    return result
+
+
+def _main_in_worker(argv: list[str]) -> dict[str, Any]:
+    """The example's main in a worker process of `launch.run`."""
+    result: dict[str, Any] = _load().main(argv)
+    return result
+
+
+@pytest.fixture(scope="module")
+def sharded_torchrun() -> dict[str, Any]:
+    return _script(SHARDED, torchrun=True)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_fully_sharded_as_one_worker_matches_the_default_strategy(
+    reference: dict[str, float],
+) -> None:
+    result = _script(SHARDED, torchrun=False)
+    assert result["replicas_in_sync"] == 1
+    assert result["final_loss"] == pytest.approx(reference["final_loss"], rel=1e-5, abs=1e-6)
+    assert result["test_accuracy"] == pytest.approx(reference["test_accuracy"], abs=1e-9)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_fully_sharded_learns_under_torchrun_like_multi_worker_mirrored(
+    sharded_torchrun: dict[str, Any],
+) -> None:
+    """``torchrun --nproc_per_node=2 examples/train_digits.py --strategy fully_sharded``:
+    two workers, each holding half of every weight, learn the digits, with the numbers
+    of MultiWorkerMirroredStrategy on the same global batches."""
+    mirrored = _script(["--strategy", "multi_worker", "--epochs", "2", "--quiet"], torchrun=True)
+    assert sharded_torchrun["replicas_in_sync"] == 2
+    assert sharded_torchrun["test_accuracy"] > 0.85, sharded_torchrun
+    assert sharded_torchrun["final_loss"] == pytest.approx(mirrored["final_loss"], rel=1e-5)
+    assert sharded_torchrun["test_accuracy"] == pytest.approx(mirrored["test_accuracy"], abs=1e-9)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_fully_sharded_under_tf_config_matches_torchrun(sharded_torchrun: dict[str, Any]) -> None:
+    results = launch.run(_main_in_worker, 2, args=(SHARDED,), launcher="tf_config", timeout=240)
+    for result in results:  # every worker's own summary: the same numbers
+        assert result["replicas_in_sync"] == 2
+        assert result["final_loss"] == pytest.approx(sharded_torchrun["final_loss"], rel=1e-5)
+        assert result["test_accuracy"] == sharded_torchrun["test_accuracy"]
