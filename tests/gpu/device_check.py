@@ -14,6 +14,8 @@ process with its own time limit, so a hang or a crash costs that part alone:
 pytest              ``pytest tests/gpu`` (what needs two GPUs skips, saying so)
 parity              one training, five strategies, the same numbers (1e-4)
 two_workers         MultiWorkerMirroredStrategy 2x1 on one GPU over gloo
+sharded             FullyShardedStrategy as one NCCL worker: parity, step vs FSDP2 by hand
+sharded_two_workers FullyShardedStrategy 2x1 on one GPU over gloo: parity, CUDA memory
 syncs               host syncs per steady-state step, counted by the profiler
 step_figures        the 1-replica step against plain PyTorch (small, ResNet-18)
 ddp_figure          one-worker MultiWorkerMirroredStrategy against one-rank DDP
@@ -34,8 +36,8 @@ included). For each part the report holds its status (``passed``, ``failed: why`
 ``skipped: why``), its checks, figures and information, its duration and limit; and
 the device, torch, CUDA, cuDNN and NCCL versions. The last lines printed are a summary.
 
-A dry run (``--dry-run``) runs the same parts on the CPU with tiny sizes, four
-processes instead of nine (the parts of a module share one), CUDA-only checks
+A dry run (``--dry-run``) runs the same parts on the CPU with tiny sizes, five
+processes instead of eleven (the parts of a module share one), CUDA-only checks
 reporting "skipped: no CUDA"; its figures mean nothing. Without ``--dry-run`` a
 machine without CUDA runs nothing and exits 2.
 
@@ -85,6 +87,8 @@ PARTS = (
     Part("pytest", None, 120, "pytest tests/gpu"),
     Part("parity", "_check_parity", 60, "5 strategies, the same losses and weights (1e-4)"),
     Part("two_workers", "_check_parity", 90, "MultiWorkerMirrored 2x1 on one GPU over gloo"),
+    Part("sharded", "_check_sharded", 45, "FullySharded, one NCCL worker: parity, vs FSDP2"),
+    Part("sharded_two_workers", "_check_sharded", 75, "FullySharded 2x1 over gloo: parity, memory"),
     Part("syncs", "_check_syncs", 60, "host syncs per steady-state step (profiler)"),
     Part("step_figures", "_check_figures", 60, "1-replica step vs plain PyTorch"),
     Part("ddp_figure", "_check_figures", 45, "one-worker MultiWorkerMirrored vs DDP"),
@@ -477,6 +481,8 @@ def summary(run: Run) -> str:
             if "ratio" in fig:
                 paired = f"paired {fig['paired_ratio']}, IQR {fig['paired_ratio_iqr']}"
                 value = f"ratio {fig['ratio']} ({paired})"
+            elif "memory_ratio" in fig:
+                value = f"memory ratio {fig['memory_ratio']} ({fig['distribute_mib']} MiB)"
             else:
                 value = f"{fig.get('host_syncs_per_step')} per step"
             lines.append(f"  {fig['name'][:70]:70} {value}  goal {fig.get('goal')}")
