@@ -222,7 +222,8 @@ def fsdp_by_hand(model: torch.nn.Sequential, device: torch.device) -> torch.nn.M
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(1.0)
-            module.set_reduce_scatter_unused_params(True, recurse=False)
+            if hasattr(module, "set_reduce_scatter_unused_params"):  # as the strategy
+                module.set_reduce_scatter_unused_params(True, recurse=False)
     return model
 
 
