@@ -268,7 +268,7 @@ class ShardedModules:
         """Sum semantics, same-size reduce-scatters and watched collectives."""
         module.set_force_sum_reduction_for_comms(True)
         module.set_gradient_divide_factor(1.0)
-        if hasattr(module, "set_reduce_scatter_unused_params"):  # torch < 2.12 lacks it
+        if hasattr(module, "set_reduce_scatter_unused_params"):  # torch 2.11 lacks it
             module.set_reduce_scatter_unused_params(True, recurse=False)
         state = module._get_fsdp_state()
         groups = getattr(state, "_fsdp_param_groups", None) or []
