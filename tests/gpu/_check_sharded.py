@@ -78,6 +78,23 @@ def sharded_strategy(comm: str = "auto", devices: Any = None) -> Any:
     return ds.experimental.FullyShardedStrategy(communication_options=options, devices=devices)
 
 
+def _whole(value: Any) -> torch.Tensor:
+    """A DTensor's whole value (a collective of every rank). Over gloo with CUDA tensors
+    the shards travel as CPU objects: torch 2.11's ``full_tensor()`` (a functional
+    all-gather) dies there with SIGSEGV in ``wait_tensor`` (seen on the lent H100)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    local = value.to_local()
+    if not (local.is_cuda and dist.get_backend() == "gloo"):
+        return value.full_tensor()
+    if tuple(value.placements) != (Shard(0),):
+        raise NotImplementedError(f"gathering placements {value.placements} over gloo")
+    shards: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, local.detach().cpu())
+    return torch.cat(shards)
+
+
 def full_state(strategy: ds.Strategy, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Parameters (whole: a collective for DTensors) and buffers on the CPU, by name."""
     from torch.distributed.tensor import DTensor
@@ -85,7 +102,7 @@ def full_state(strategy: ds.Strategy, model: torch.nn.Module) -> dict[str, torch
     out = {}
     for name, value in [*model.named_parameters(), *model.named_buffers()]:
         if isinstance(value, DTensor):
-            value = value.full_tensor()
+            value = _whole(value)
         else:
             value = torch.as_tensor(strategy.experimental_local_results(value)[0])
         out[name] = value.detach().cpu().clone()
