@@ -473,7 +473,7 @@ def summary(run: Run) -> str:
         f"  on {env.get('device_name')} (torch {env.get('torch')}, CUDA {env.get('cuda')})"
     )
     for name, part in run.report["parts"].items():
-        lines.append(f"  {name:16} {_seconds(part)!s:>6} s  {part['status'][:150]}")
+        lines.append(f"  {name:19} {_seconds(part)!s:>6} s  {part['status'][:150]}")
     if run.dry_run:
         lines.append("  figures of a dry run (tiny sizes, on the CPU) mean nothing:")
     for part in run.report["parts"].values():
