@@ -20,9 +20,10 @@ Prints JSON lines, the baseline beside each figure:
                           taken after optimizer.step(), before zero_grad), strategy
                           vs MultiWorkerMirroredStrategy. Exactly 1/W in theory.
     peak_vs_mirrored      the peak of live CPU tensor bytes during two steady-state
-                          steps, counted from before the model is built (the
-                          profiler's allocator events, see `_peak_live`): state plus
-                          the transients (gathered units, prefetch, reduce-scatter
+                          steps: the built model's parameters (their storages), plus
+                          what the profiler's allocator events show allocated and not
+                          yet freed from the first step on (see `_peak_live`): state
+                          plus the transients (gathered units, prefetch, reduce-scatter
                           buffers, activations, temporaries). Median and max over
                           the runs and the ranks (it varies from run to run: CPU FSDP
                           holds its buffers longer or shorter depending on timing).
@@ -251,21 +252,33 @@ def _allocations(prof: Any) -> list[tuple[int, int, int, str]]:
     return sorted(events, key=lambda e: e[0])
 
 
-def _peak_live(events: Sequence[tuple[int, int, int, str]], start: int, end: int) -> dict[str, Any]:
-    """The peak of live bytes inside [start, end] (counted from the profiler's start),
-    the live bytes at ``start``, and what was alive at the peak by allocating op."""
-    live: dict[int, tuple[int, str, bool]] = {}
-    running = peak = 0
+def _peak_live(
+    events: Sequence[tuple[int, int, int, str]], start: int, end: int, built: int
+) -> dict[str, Any]:
+    """The peak of live bytes inside [start, end], counted from ``built`` bytes live
+    when the profiler started (the model as built); the live bytes at ``start``; and
+    what was alive at the peak, by allocating op.
+
+    Only blocks allocated on a followed thread count, and a block is gone when it is
+    freed, or when the allocator hands its address out again (it was freed on a thread
+    the profiler does not follow: gloo's, dropping the last reference to a
+    collective's buffer)."""
+    live: dict[int, tuple[int, str, bool]] = {-1: (built, "the model as built", True)}
+    running = peak = built
     at_start = None
     at_peak: dict[int, tuple[int, str, bool]] = {}
     for t, size, ptr, label in events:
         if t >= start and at_start is None:
             at_start = running
         if size > 0:
+            stale = live.pop(ptr, None)
+            if stale is not None:  # freed unseen: the address is in use again
+                running -= stale[0]
             live[ptr] = (size, label, t < start)
-        else:
-            live.pop(ptr, None)
-        running += size
+            running += size
+        elif ptr in live:
+            running -= live.pop(ptr)[0]
+        # else: a block allocated where the profiler does not look; never counted
         if start <= t <= end and running > peak:
             peak, at_peak = running, dict(live)
     by_op: collections.Counter[str] = collections.Counter()
@@ -291,11 +304,19 @@ def _memory_worker(side: str, width: int, layers: int, global_batch: int) -> dic
     x, y = _data(rank, world, width, global_batch)
     gc.collect()
     rss_before = _rss()
+    model = _Side(side, strategy, width, layers, x, y, global_batch)
+    gc.collect()
+    # Profiling starts once the model is built (and sharded): what is live then is the
+    # model's parameters, counted from their storages. The build's last transient, the
+    # chief's values packed into one buffer of the whole model's size for the
+    # broadcast, is sometimes freed by gloo's thread, which the profiler does not
+    # follow: traced from before the build, that buffer stayed "alive" through the
+    # steps in some runs (on both sides), while RSS showed it gone.
+    built = _state_bytes(model.strategy, model.model, model.optimizer)
     prof = torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
     )
     prof.__enter__()
-    model = _Side(side, strategy, width, layers, x, y, global_batch)
     model.step(measure_state=True)  # the first step: FSDP's lazy init, Adam's state
     dist.barrier()
     start = time.time_ns()
@@ -304,7 +325,7 @@ def _memory_worker(side: str, width: int, layers: int, global_batch: int) -> dic
         model.step()
     end = time.time_ns()
     prof.__exit__(None, None, None)
-    live = _peak_live(_allocations(prof), start, end)
+    live = _peak_live(_allocations(prof), start, end, built)
     local = sum(
         (p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.model.parameters()
     )
