@@ -46,9 +46,10 @@ still exactly the chief's ``torch.manual_seed(s); Model()``. Entering the outerm
 scope broadcasts the chief's CPU generator state (5 KB) and every other worker forks
 its generator to it, so each runs the constructor drawing the chief's numbers, with no
 values sent (afterwards the chief's generator has advanced as building alone would
-have advanced it, and the others have their own back, un-advanced). Built-in modules initialize their parameters inside their own
-``__init__``; so when a module registers its first parameter, the parameters of every
-module registered before it are finished: each worker keeps its FSDP shard of them
+have advanced it, and the others have their own back, un-advanced). Built-in modules
+initialize their parameters inside their own ``__init__``; so when a module registers
+its first parameter, the parameters of every module registered before it are
+finished: each worker keeps its FSDP shard of them
 (``torch.chunk(p, shard_group_size, 0)[rank]``, FSDP2's layout) and turns them into
 meta tensors in place (`swap_tensors`: references and ties survive). A dispatch mode
 refuses any later use of a meta parameter (a parent's ``self.apply(init_weights)``,
@@ -88,6 +89,10 @@ __all__ = [
     "UnitChooser",
     "choose_units",
 ]
+
+#: torch 2.13 renamed the *_tensor collectives (now deprecated) to *_single.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 #: Classes whose instances are sharding units, or a predicate of (name, module).
 UnitChooser = Sequence[type[torch.nn.Module]] | Callable[[str, torch.nn.Module], bool]
@@ -459,9 +464,7 @@ class _WatchedAllGather(_Watched, AllGather):
         self._collectives.watch(
             "all_gather",
             self._label("all-gather"),
-            lambda: dist.all_gather_into_tensor(
-                output_tensor, input_tensor, group=group, async_op=True
-            ),
+            lambda: _all_gather_single(output_tensor, input_tensor, group=group, async_op=True),
         )
         return None  # done: FSDP waits only for a returned work
 
@@ -478,7 +481,7 @@ class _WatchedReduceScatter(_Watched, ReduceScatter):
         self._collectives.watch(
             "reduce_scatter",
             self._label("reduce-scatter"),
-            lambda: dist.reduce_scatter_tensor(
+            lambda: _reduce_scatter_single(
                 output_tensor, input_tensor, op=op, group=group, async_op=True
             ),
         )
