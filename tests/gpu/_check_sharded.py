@@ -47,16 +47,14 @@ from _check_common import (
     losses_difference,
     max_difference,
     ratio_fields,
-    reference_step,
     run_part,
     time_cases,
     train_step,
 )
+from _check_parity import IMAGE, PER_RANK, _one_process
 
 import distribute as ds
 
-IMAGE = (3, 8, 8)
-PER_RANK = 8
 MiB = 2**20
 #: The FSDP2 setters FullyShardedStrategy calls (strategies/_sharding.py).
 FSDP_SETTERS = (
@@ -366,20 +364,6 @@ def _worker(device: str, steps: int) -> dict[str, Any]:
         }
     strategy.shutdown()
     return out
-
-
-def _one_process(ctx: Context, optimizer: str, steps: int) -> dict[str, Any]:
-    """What two replicas compute, in one process on the same device."""
-    torch.manual_seed(1000)  # the chief's seed
-    model = bn_cnn().to(ctx.device)
-    opt = OPTIMIZERS[optimizer](model.parameters())
-    losses = []
-    for x, y in batches(steps, 2 * PER_RANK, IMAGE):
-        losses.append(
-            reference_step(model, opt, x.to(ctx.device), y.to(ctx.device), 2, 2 * PER_RANK)
-        )
-    state = {n: t.detach().cpu() for n, t in [*model.named_parameters(), *model.named_buffers()]}
-    return {"losses": losses, "state": state}
 
 
 def sharded_two_workers(ctx: Context) -> None:
