@@ -19,15 +19,18 @@ differ between workers and mean nothing to another worker.
 from __future__ import annotations
 
 import random
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from distribute._enums import VariableAggregation, VariableSynchronization
 from distribute.errors import InvalidArgumentError
 from distribute.variables import DistributedVariable
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "RNGState",
@@ -221,24 +224,36 @@ def sharded_templates(
         or not isinstance(skeleton, dict)
     ):
         return {}
+    from torch.distributed.tensor import empty as dtensor_empty
+
     params = _saved_parameters(obj, skeleton.get("param_groups"))
     sharded: dict[str, torch.Tensor] = {}
     for index, entries in _items(skeleton.get("state")):
         param = params.get(index)
-        if not isinstance(param, DTensor) or not isinstance(entries, dict):
+        if not _is_dtensor(param) or not isinstance(entries, dict):
             continue
         for entry in entries.values():
             if not isinstance(entry, dict) or "__tensor__" not in entry:
                 continue
             template = wanted.get(entry["__tensor__"])
             if template is not None and _shards_like(template, param):
-                sharded[entry["__tensor__"]] = torch.distributed.tensor.empty(
+                sharded[entry["__tensor__"]] = dtensor_empty(
                     param.shape,
                     dtype=template.dtype,
                     device_mesh=param.device_mesh,
                     placements=param.placements,
                 )
     return sharded
+
+
+def _is_dtensor(value: Any) -> TypeGuard[DTensor]:
+    """Whether ``value`` is a DTensor (`FullyShardedStrategy`'s parameters and their
+    state), without importing DTensor where nothing has (none can exist then)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
 
 
 def _shards_like(value: torch.Tensor, param: DTensor) -> bool:
@@ -284,11 +299,11 @@ def _sharded_state(optimizer: torch.optim.Optimizer, state: Any) -> Any:
     per_parameter: dict[Any, Any] = {}
     for index, entries in state["state"].items():
         param = params.get(index)
-        if isinstance(param, DTensor) and isinstance(entries, dict):
+        if _is_dtensor(param) and isinstance(entries, dict):
             entries = {
                 key: _shard_of(value, param)
                 if isinstance(value, torch.Tensor)
-                and not isinstance(value, DTensor)
+                and not _is_dtensor(value)
                 and _shards_like(value, param)
                 else value
                 for key, value in entries.items()
@@ -300,6 +315,8 @@ def _sharded_state(optimizer: torch.optim.Optimizer, state: Any) -> Any:
 def _shard_of(value: torch.Tensor, like: DTensor) -> DTensor:
     """This worker's shard of the whole tensor ``value``, placed as ``like`` (no
     communication: every worker holds ``value``)."""
+    from torch.distributed.tensor import distribute_tensor
+
     return distribute_tensor(
         value.to(like.to_local().device),
         like.device_mesh,
@@ -337,7 +354,7 @@ def _write_tensor(name: str, target: torch.Tensor, value: Any) -> None:
     if _is_sharded(target):
         target.assign(value)  # type: ignore[attr-defined]  # a ShardedVariable: shard by shard, on the ps
         return
-    if isinstance(target, DTensor):
+    if _is_dtensor(target):
         _write_sharded(target, value)
         return
     primary = target._plain_component(0) if isinstance(target, DistributedVariable) else target
@@ -366,7 +383,7 @@ def _write_sharded(target: DTensor, value: torch.Tensor) -> None:
     """
     with torch.no_grad():
         local = target.to_local()
-        if isinstance(value, DTensor):
+        if _is_dtensor(value):
             if value.to_local().data_ptr() == local.data_ptr():
                 return  # read straight into it (`direct_targets`)
             if value.device_mesh != target.device_mesh or value.placements != target.placements:

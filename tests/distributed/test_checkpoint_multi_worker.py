@@ -11,6 +11,7 @@ ends bitwise equal to training straight through.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import re
 import signal
@@ -304,24 +305,27 @@ def test_save_called_on_one_worker_only_raises_naming_the_save_instead_of_hangin
 
 # -- 3. a worker killed during a save ------------------------------------------------------
 
-# (function of distribute.checkpoint._checkpoint to wrap, kill before/after the real
-# call, only when its first argument's name is this (None: always), rank killed):
+# (module.function to wrap, kill before/after the real call, only when its first
+# argument's name is this (None: always), rank killed):
 # before any tensor is written; after this rank's tensors (the other's may be done);
 # with the tensors, the per-rank files and the manifest in `<path>.partial` but not
 # renamed; renamed to `ckpt-2` but the manager's index not yet updated.
+_DCP_SAVE = "torch.distributed.checkpoint.state_dict_saver.save"  # `write` imports it
+_COMMIT = "distribute.checkpoint._checkpoint.commit"
 _CRASH_POINTS = {
-    "before-tensors": ("dcp_save", "before", None, 0),
-    "after-tensors": ("dcp_save", "after", None, 1),
-    "before-commit": ("commit", "before", None, 0),
-    "after-commit-before-index": ("commit", "after", None, 0),
+    "before-tensors": (_DCP_SAVE, "before", None, 0),
+    "after-tensors": (_DCP_SAVE, "after", None, 1),
+    "before-commit": (_COMMIT, "before", None, 0),
+    "after-commit-before-index": (_COMMIT, "after", None, 0),
 }
 
 
 def _kill_at(function: str, when: str, only: str | None) -> None:
-    """Wraps ``function`` of the save so that this process is SIGKILLed there."""
-    import distribute.checkpoint._checkpoint as module
-
-    real: Callable[..., Any] = getattr(module, function)
+    """Wraps ``function`` (``module.name``) of the save so that this process is
+    SIGKILLed there."""
+    module_name, _, name = function.rpartition(".")
+    module = importlib.import_module(module_name)
+    real: Callable[..., Any] = getattr(module, name)
 
     @functools.wraps(real)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -333,7 +337,7 @@ def _kill_at(function: str, when: str, only: str | None) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return result
 
-    setattr(module, function, wrapper)
+    setattr(module, name, wrapper)
 
 
 def _save_twice_killed_in_the_second(
