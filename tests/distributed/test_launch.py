@@ -1,4 +1,5 @@
-"""The local launcher: fresh worker processes with a cluster in their environment."""
+"""The local launcher: worker processes with a cluster in their environment, started
+as new interpreters ("fresh") or forked from a preloaded one ("preloaded")."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from distribute.errors import InvalidArgumentError, WorkerError
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(60)]
 
 ENV = {"OMP_NUM_THREADS": "1"}
+STARTS = pytest.mark.parametrize("start", ["fresh", "preloaded"])
 
 
 def _describe_worker(x: int, *, scale: int) -> dict[str, Any]:
@@ -34,13 +36,15 @@ def _describe_worker(x: int, *, scale: int) -> dict[str, Any]:
     }
 
 
-def test_torchrun_launch_returns_results_in_rank_order_with_a_shared_master() -> None:
+@STARTS
+def test_torchrun_launch_returns_results_in_rank_order_with_a_shared_master(start: str) -> None:
     results = launch.run(
         _describe_worker,
         3,
         args=(7,),
         kwargs={"scale": 2},
         env={"DISTRIBUTE_TEST_EXTRA": "yes"},
+        start=start,
     )
     assert [r["rank"] for r in results] == [0, 1, 2]
     assert all(r["value"] == 14 and r["world_size"] == 3 for r in results)
@@ -52,8 +56,11 @@ def test_torchrun_launch_returns_results_in_rank_order_with_a_shared_master() ->
     assert len({r["pid"] for r in results}) == 3 and os.getpid() not in {r["pid"] for r in results}
 
 
-def test_tf_config_launch_gives_each_worker_its_task_and_worker_zero_as_master() -> None:
-    results = launch.run(_describe_worker, 2, args=(1,), kwargs={"scale": 1}, launcher="tf_config")
+@STARTS
+def test_tf_config_launch_gives_each_worker_its_task_and_worker_zero_as_master(start: str) -> None:
+    results = launch.run(
+        _describe_worker, 2, args=(1,), kwargs={"scale": 1}, launcher="tf_config", start=start
+    )
     assert [r["task"] for r in results] == [("worker", 0), ("worker", 1)]
     assert [r["rank"] for r in results] == [0, 1]
     assert results[0]["master"] == results[1]["master"]
@@ -78,11 +85,12 @@ def _is_running(pid: int) -> bool:
     return True
 
 
+@STARTS
 def test_a_worker_exception_is_reraised_with_rank_and_traceback_and_the_others_killed(
-    tmp_path: Path,
+    tmp_path: Path, start: str
 ) -> None:
     with pytest.raises(WorkerError) as info:
-        launch.run(_fail_on_rank_one, 2, args=(str(tmp_path),), timeout=30, env=ENV)
+        launch.run(_fail_on_rank_one, 2, args=(str(tmp_path),), timeout=30, env=ENV, start=start)
     message = str(info.value)
     assert "worker rank 1 raised ValueError: bad batch on rank one" in message
     assert "--- traceback of rank 1 ---" in message and "_fail_on_rank_one" in message
@@ -116,13 +124,15 @@ def _block_forever(pid_dir: str) -> None:
     threading.Event().wait()
 
 
+# Long enough for both workers to start and write their pids on a busy 2-core machine
+# (3 s was not, for new interpreters importing torch under a full suite).
+@pytest.mark.parametrize("start,timeout", [("fresh", 12.0), ("preloaded", 4.0)])
 def test_the_timeout_kills_every_worker_and_names_the_ranks_still_running(
-    tmp_path: Path,
+    tmp_path: Path, start: str, timeout: float
 ) -> None:
-    # Long enough for both workers to import torch and write their pids on a busy
-    # 2-core machine (3 s was not, under a full suite).
-    with pytest.raises(WorkerError, match=r"timed out after 15.0 s; ranks \[0, 1\] were still"):
-        launch.run(_block_forever, 2, args=(str(tmp_path),), timeout=15.0, env=ENV)
+    expected = rf"timed out after {timeout} s; ranks \[0, 1\] were still"
+    with pytest.raises(WorkerError, match=expected):
+        launch.run(_block_forever, 2, args=(str(tmp_path),), timeout=timeout, env=ENV, start=start)
     pids = [int(p.read_text()) for p in sorted(tmp_path.glob("*.pid"))]
     assert len(pids) == 2 and not any(_is_running(p) for p in pids)
 
@@ -132,5 +142,84 @@ def test_functions_that_cannot_be_sent_by_reference_are_refused_before_any_start
         launch.run(lambda: 1, 2)
     with pytest.raises(InvalidArgumentError, match="launcher must be one of"):
         launch.run(_describe_worker, 2, launcher="mpirun")
+    with pytest.raises(InvalidArgumentError, match="start must be one of"):
+        launch.run(_describe_worker, 2, start="forked")
     with pytest.raises(InvalidArgumentError, match="num_workers must be at least 1"):
         launch.run(_describe_worker, 0)
+
+
+# -- the preloaded start ---------------------------------------------------------------
+
+
+def _import_time_state() -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    return {
+        "threads": torch.get_num_threads(),  # the OpenMP runtime read OMP_NUM_THREADS at load
+        "numpy": float(np.random.rand()),  # NumPy's global generator, never seeded here
+        "torch_seed": torch.initial_seed(),
+    }
+
+
+def test_preloaded_workers_see_at_import_the_environment_new_interpreters_would() -> None:
+    fresh = launch.run(_import_time_state, 2, env={"OMP_NUM_THREADS": "2"}, start="fresh")
+    one = launch.run(_import_time_state, 2, env={"OMP_NUM_THREADS": "1"}, start="preloaded")
+    two = launch.run(_import_time_state, 2, env={"OMP_NUM_THREADS": "2"}, start="preloaded")
+    assert [r["threads"] for r in fresh] == [2, 2]
+    # One preloaded interpreter per environment: the thread count follows the variable.
+    assert [r["threads"] for r in one] == [1, 1] and [r["threads"] for r in two] == [2, 2]
+    # Every worker's torch and NumPy generators are seeded afresh, as in a new interpreter.
+    for field in ("numpy", "torch_seed"):
+        draws = [r[field] for r in fresh + one + two]
+        assert len(set(draws)) == len(draws), (field, draws)
+
+
+_LEFT_OPEN: list[Any] = []
+
+
+def _exit_work(out_dir: str) -> int:
+    import atexit
+    import time
+
+    resolver = resolve_cluster()
+    assert resolver is not None
+    rank = resolver.rank
+
+    def late() -> None:
+        time.sleep(0.3)
+        Path(out_dir, f"thread-{rank}").write_text("done")
+
+    atexit.register(lambda: Path(out_dir, f"atexit-{rank}").write_text("done"))
+    threading.Thread(target=late, daemon=False).start()
+    left_open = open(Path(out_dir, f"file-{rank}"), "w")  # never closed
+    _LEFT_OPEN.append(left_open)
+    left_open.write("buffered")  # flushed by nothing but the exit
+    return rank
+
+
+@STARTS
+def test_a_worker_exits_as_an_interpreter_does_threads_joined_atexit_run_files_flushed(
+    tmp_path: Path, start: str
+) -> None:
+    assert launch.run(_exit_work, 2, args=(str(tmp_path),), timeout=30, start=start) == [0, 1]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["atexit-0", "atexit-1", "file-0", "file-1", "thread-0", "thread-1"]
+    assert {(tmp_path / f"file-{r}").read_text() for r in (0, 1)} == {"buffered"}
+
+
+def _parent_pid() -> int:
+    return os.getppid()
+
+
+def test_one_preloaded_interpreter_serves_every_call_with_the_same_environment() -> None:
+    def parents(extra: dict[str, str]) -> set[int]:
+        return set(launch.run(_parent_pid, 2, env=extra, timeout=60, start="preloaded"))
+
+    first = parents({"PYTEST_CURRENT_TEST": "a (call)"})
+    # pytest's name of the running test differs from call to call and is read by
+    # nothing at import: the same interpreter forks both calls' workers.
+    assert len(first) == 1 and parents({"PYTEST_CURRENT_TEST": "b (call)"}) == first
+    assert first != {os.getpid()}
+    # Any other difference gets an interpreter of its own.
+    assert parents({"DISTRIBUTE_TEST_EXTRA": "other"}).isdisjoint(first)

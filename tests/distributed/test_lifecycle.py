@@ -374,6 +374,9 @@ import sys, time
 from distribute import launch
 
 def hold():
+    import os
+    with open(f"worker-{os.getpid()}.pid", "w") as f:
+        f.write(str(os.getppid()))  # this worker's parent: the launcher or its zygote
     time.sleep(120)  # a long step; the parent is killed meanwhile
 
 if __name__ == "__main__":
@@ -381,28 +384,47 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.parametrize("start", ["fresh", "preloaded"])
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_killed_launcher_leaves_no_temporary_directory_and_no_workers(
-    tmp_path: Path, sig: int
+    tmp_path: Path, sig: int, start: str
 ) -> None:
     script = tmp_path / "parent.py"
     script.write_text(_PARENT)
     temp = tmp_path / "tmp"
     temp.mkdir()
     parent = subprocess.Popen(
-        [sys.executable, str(script)], env={**ENV, "TMPDIR": str(temp)}, cwd=tmp_path
+        [sys.executable, str(script)],
+        env={**ENV, "TMPDIR": str(temp), launch.START_VARIABLE: start},
+        cwd=tmp_path,
     )
     deadline = time.monotonic() + 60
-    while not list(temp.glob("distribute-launch-*/worker-1.log")):
+    while len(list(tmp_path.glob("worker-*.pid"))) < 2:
         assert time.monotonic() < deadline, "the launcher never started its workers"
         time.sleep(0.05)
-    time.sleep(1.0)  # the workers are running their function
+    time.sleep(0.2)  # the workers are in their function
     parent.send_signal(sig)
     parent.wait(30)
     deadline = time.monotonic() + 15
     while list(temp.glob("distribute-launch-*")):
         assert time.monotonic() < deadline, list(temp.iterdir())
         time.sleep(0.1)
+    # Every worker, and the preloaded interpreter that forked them, is gone too.
+    pids = {int(p.stem.split("-")[1]) for p in tmp_path.glob("worker-*.pid")}
+    pids |= {int(p.read_text()) for p in tmp_path.glob("worker-*.pid")} - {parent.pid}
+    assert len(pids) == (2 if start == "fresh" else 3), pids
+    while any(_alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, [pid for pid in pids if _alive(pid)]
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 # -- uneven data across workers ------------------------------------------------------------
