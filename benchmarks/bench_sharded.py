@@ -465,9 +465,12 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=None, help="default: 2 4")
     parser.add_argument("--runs", type=int, default=None, help="memory runs per side (3)")
     parser.add_argument("--only", choices=("memory", "time"), default=None)
+    parser.add_argument("--width", type=int, default=None, help="Linear(width, width): 1024")
+    parser.add_argument("--layers", type=int, default=None, help="how many of them: 8")
     args = parser.parse_args()
     worlds = args.workers or ([2] if args.quick else [2, 4])
     width, layers, global_batch = (256, 4, 16) if args.quick else (1024, 8, 64)
+    width, layers = args.width or width, args.layers or layers
     runs = args.runs or (1 if args.quick else 3)
     reps, calls, warmup = (3, 1, 1) if args.quick else (15, 2, 3)
     params = layers * (width * width + width)
