@@ -3,7 +3,7 @@
 Every loss here returns ONE value per example (reduction happens in the model,
 over the global batch: `ds.compute_average_loss`). As in Keras, the probability
 losses take probabilities unless ``from_logits=True``; PyTorch models that end in
-a linear layer want ``ds.losses.SparseCategoricalCrossentropy(from_logits=True)``
+a linear layer want ``ds.training.losses.SparseCategoricalCrossentropy(from_logits=True)``
 or ``torch.nn.CrossEntropyLoss()``.
 
 Example:
