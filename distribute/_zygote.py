@@ -11,10 +11,10 @@ request. A forked worker starts from a process that has imported modules and run
 nothing else (no thread, no process group, no CUDA context), and seeds its random
 generators afresh as a new interpreter would.
 
-Protocol: one JSON request per line on stdin, ``{"argv": [...], "env": {...},
-"log": path, "cwd": path}``; on the original stdout (fd 1 is pointed at stderr so
+Protocol: one JSON request per line on stdin, ``{"seq": n, "argv": [...], "env":
+{...}, "log": path, "cwd": path}``; on the original stdout (fd 1 is pointed at stderr so
 that nothing printed by an import can corrupt it) the lines ``ready``, ``spawned
-PID`` (the worker is the leader of its own session by then) and ``exited PID
+SEQ PID`` (the worker is the leader of its own session by then) and ``exited PID
 CODE`` (CODE as `subprocess.Popen.returncode`: minus the signal of a killed
 worker). End of stdin (the launcher exited, or died) ends this process; its
 workers notice their parent is gone and exit (`distribute._launch_child`). A
@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import sys
 from typing import Any
 
@@ -65,14 +66,15 @@ def _fork(request: dict[str, Any], out: Any) -> bool:
     os.close(ready_w)
     os.read(ready_r, 1)  # the worker leads its process group before the launcher hears of it
     os.close(ready_r)
-    out.write(f"spawned {pid}\n")
+    out.write(f"spawned {request['seq']} {pid}\n")
     out.flush()
     return False
 
 
-def _become_worker(request: dict[str, Any], protocol_fd: int) -> int:
+def _become_worker(request: dict[str, Any], protocol_fd: int, sigchld: Any) -> int:
     """Turns this forked process into the worker that ``request`` describes."""
     os.close(protocol_fd)
+    signal.signal(signal.SIGCHLD, sigchld)  # as the launcher left it, as exec would
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
@@ -104,20 +106,22 @@ def _exit_quickly(code: int) -> None:
     """Exits as an interpreter does, less the teardown of its modules.
 
     Tearing down torch's modules takes 0.4-0.5 s of CPU time, as long as forking
-    the worker and running a short function together. What a program can observe
-    of an exit is kept: non-daemon threads are joined, `atexit` functions run (the
-    strategies' shutdowns, `logging.shutdown`, `weakref.finalize`), and every file
-    still open for writing is flushed, as the teardown would have (the standard
-    streams among them).
+    the worker and running a short function together. Kept from a normal exit: the
+    interpreter's own shutdown of threads (`threading._shutdown`: thread pools
+    woken, non-daemon threads joined), `atexit` functions (the strategies'
+    shutdowns, `logging.shutdown`, `weakref.finalize`), and every buffer flushed:
+    Python's open files (the standard streams among them) and C's stdio. Lost:
+    finalizers (``__del__``) of objects still alive, so a file left open is flushed
+    but not closed (an unclosed gzip or zip file lacks its trailer; a
+    ``NamedTemporaryFile`` left open stays on disk).
     """
     import atexit
+    import ctypes
     import gc
     import io
     import threading
 
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx calls first
     atexit._run_exitfuncs()
     for obj in gc.get_objects():
         # type(), not isinstance: a dead weak proxy raises on any attribute, __class__ too
@@ -131,10 +135,14 @@ def _exit_quickly(code: int) -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
+    ctypes.CDLL(None).fflush(None)  # C and C++ code's buffered stdout
     os._exit(code)
 
 
 def main() -> int:
+    # Workers are reaped here and reported; an inherited SIG_IGN would have the kernel
+    # reap them unreported. Each worker gets the inherited disposition back.
+    sigchld = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     protocol_fd = os.dup(1)
     os.dup2(2, 1)  # stray prints go to stderr, never into the protocol
     out = os.fdopen(protocol_fd, "w", buffering=1, closefd=False)
@@ -156,7 +164,7 @@ def main() -> int:
             line, pending = pending.split(b"\n", 1)
             request = json.loads(line)
             if _fork(request, out):
-                return _become_worker(request, protocol_fd)
+                return _become_worker(request, protocol_fd, sigchld)
 
 
 if __name__ == "__main__":

@@ -248,9 +248,7 @@ def run(
             for rank in range(num_workers):
                 worker_env = _worker_env(rank, num_workers, launcher, ports, env or {})
                 if start == "preloaded":
-                    zygote = _preloaded(worker_env)
-                    argv = [str(payload), str(results[rank]), str(zygote.pid)]
-                    procs.append(zygote.spawn(argv, worker_env, logs[rank]))
+                    procs.append(_spawn_preloaded(payload, results[rank], worker_env, logs[rank]))
                     continue
                 with open(logs[rank], "wb") as log:
                     procs.append(
@@ -324,6 +322,7 @@ class _Zygote:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
+            start_new_session=True,  # a terminal's Ctrl-C reaches the launcher, not it
         )
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._requests: IO[bytes] = self._proc.stdin
@@ -331,11 +330,14 @@ class _Zygote:
         self._request_lock = threading.Lock()
         self._changed = threading.Condition()
         self._exits: dict[int, int] = {}
-        self._spawned: list[int] = []
+        self._spawned: dict[int, int] = {}  # request number -> pid
+        self._next_seq = 0
         self._handed: set[int] = set()
         self._gone = False
         if self._replies.readline() != b"ready\n":
             self._proc.wait()
+            self._requests.close()
+            self._replies.close()
             raise WorkerError(
                 "launch.run's preloaded interpreter (python -m distribute._zygote) failed to "
                 f"start; its output:\n{self._stderr_text()}\nUse start='fresh' to start "
@@ -366,7 +368,9 @@ class _Zygote:
             kind, *fields = line.split()
             with self._changed:
                 if kind == b"spawned":
-                    self._spawned.append(int(fields[0]))
+                    seq, pid = int(fields[0]), int(fields[1])
+                    self._spawned[seq] = pid
+                    self._exits.pop(pid, None)  # an earlier worker's pid, reused
                 elif kind == b"exited":
                     self._exits[int(fields[0])] = int(fields[1])
                 self._changed.notify_all()
@@ -376,22 +380,31 @@ class _Zygote:
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], log: Path) -> _ForkedWorker:
         """Forks a worker running ``distribute._launch_child argv`` with ``env``."""
-        request = {"argv": list(argv), "env": dict(env), "log": str(log), "cwd": os.getcwd()}
         with self._request_lock:
+            seq = self._next_seq
+            self._next_seq += 1
+            request = {
+                "seq": seq,
+                "argv": list(argv),
+                "env": dict(env),
+                "log": str(log),
+                "cwd": os.getcwd(),
+            }
             try:
                 self._requests.write(json.dumps(request).encode() + b"\n")
                 self._requests.flush()
             except BrokenPipeError:
                 pass  # gone: reported below
             with self._changed:
-                while not self._spawned and not self._gone:
+                # Its own reply: a call interrupted while waiting leaves another's behind.
+                while seq not in self._spawned and not self._gone:
                     self._changed.wait()
-                if not self._spawned:
+                if seq not in self._spawned:
                     raise WorkerError(
                         "launch.run's preloaded interpreter exited before starting a worker; "
                         f"its output:\n{self._stderr_text()}"
                     )
-                pid = self._spawned.pop(0)
+                pid = self._spawned.pop(seq)
                 self._handed.add(pid)
                 return _ForkedWorker(pid, self)
 
@@ -403,12 +416,15 @@ class _Zygote:
             if not self._gone:
                 return None
         # The interpreter that would report the exit is gone; the worker exits by
-        # itself within a second (its parent is gone) and is reaped by init.
+        # itself within a second (its parent is gone) and is reaped by init, or by this
+        # process if it is the subreaper (a container's first process).
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return -signal.SIGKILL
-        return None
+            reaped, status = os.waitpid(pid, os.WNOHANG)
+            if reaped == pid:
+                return os.waitstatus_to_exitcode(status)
+        except ChildProcessError:
+            pass
+        return None if _running(pid) else -signal.SIGKILL
 
     def wait_exit(self, pid: int) -> int:
         while True:
@@ -429,28 +445,50 @@ class _Zygote:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+        self._replies.close()
         self._stderr.close()
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 _zygotes: dict[tuple[str, ...], _Zygote] = {}
 _zygotes_lock = threading.Lock()
 
 
-def _preloaded(worker_env: Mapping[str, str]) -> _Zygote:
-    """The preloaded interpreter for this environment (less `_PER_CALL_VARIABLES`: the
-    per-rank ones, pytest's name of the running test), started on first use; idle ones
-    beyond `_PRELOADED_KEPT` are ended, the least recently used first."""
+def _spawn_preloaded(
+    payload: Path, result: Path, worker_env: Mapping[str, str], log: Path
+) -> _ForkedWorker:
+    """Forks a worker from the preloaded interpreter for this environment (less
+    `_PER_CALL_VARIABLES`: the per-rank ones, pytest's name of the running test),
+    started on first use; idle ones beyond `_PRELOADED_KEPT` are ended, the least
+    recently used first (never one between being chosen and forking)."""
     base = {k: v for k, v in worker_env.items() if k not in _PER_CALL_VARIABLES}
     key = (sys.executable, *sorted(f"{k}={v}" for k, v in base.items()))
     with _zygotes_lock:
         zygote = _zygotes.pop(key, None)
         if zygote is None or not zygote.alive:
+            if zygote is not None:
+                zygote.close()
             zygote = _Zygote(base)
         _zygotes[key] = zygote  # most recently used last
+        worker = zygote.spawn([str(payload), str(result), str(zygote.pid)], worker_env, log)
         idle = [k for k, z in _zygotes.items() if k != key and not z.busy]
         for old in idle[: max(0, len(_zygotes) - _PRELOADED_KEPT)]:
             _zygotes.pop(old).close()
-        return zygote
+        return worker
 
 
 @atexit.register

@@ -3,7 +3,11 @@ as new interpreters ("fresh") or forked from a preloaded one ("preloaded")."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import ctypes
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -126,7 +130,7 @@ def _block_forever(pid_dir: str) -> None:
 
 # Long enough for both workers to start and write their pids on a busy 2-core machine
 # (3 s was not, for new interpreters importing torch under a full suite).
-@pytest.mark.parametrize("start,timeout", [("fresh", 12.0), ("preloaded", 4.0)])
+@pytest.mark.parametrize("start,timeout", [("fresh", 12.0), ("preloaded", 6.0)])
 def test_the_timeout_kills_every_worker_and_names_the_ranks_still_running(
     tmp_path: Path, start: str, timeout: float
 ) -> None:
@@ -195,6 +199,15 @@ def _exit_work(out_dir: str) -> int:
     left_open = open(Path(out_dir, f"file-{rank}"), "w")  # never closed
     _LEFT_OPEN.append(left_open)
     left_open.write("buffered")  # flushed by nothing but the exit
+    # A thread pool never shut down: the exit must wake its idle threads, not hang.
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    _LEFT_OPEN.append(pool)
+    assert pool.submit(lambda: rank).result() == rank
+    # C's stdio, buffered in the process (fully, as for any file, the interpreter not
+    # running unbuffered): the exit flushes it.
+    c_out = os.open(Path(out_dir, f"c-stdio-{rank}"), os.O_WRONLY | os.O_CREAT)
+    os.dup2(c_out, 1)
+    ctypes.CDLL(None).printf(b"from C stdio")
     return rank
 
 
@@ -202,10 +215,13 @@ def _exit_work(out_dir: str) -> int:
 def test_a_worker_exits_as_an_interpreter_does_threads_joined_atexit_run_files_flushed(
     tmp_path: Path, start: str
 ) -> None:
-    assert launch.run(_exit_work, 2, args=(str(tmp_path),), timeout=30, start=start) == [0, 1]
-    names = sorted(p.name for p in tmp_path.iterdir())
+    buffered = {"PYTHONUNBUFFERED": ""}  # empty: unset (this machine sets it)
+    ran = launch.run(_exit_work, 2, args=(str(tmp_path),), timeout=30, env=buffered, start=start)
+    assert ran == [0, 1]
+    names = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("c-stdio"))
     assert names == ["atexit-0", "atexit-1", "file-0", "file-1", "thread-0", "thread-1"]
     assert {(tmp_path / f"file-{r}").read_text() for r in (0, 1)} == {"buffered"}
+    assert {(tmp_path / f"c-stdio-{r}").read_text() for r in (0, 1)} == {"from C stdio"}
 
 
 def _parent_pid() -> int:
@@ -223,3 +239,34 @@ def test_one_preloaded_interpreter_serves_every_call_with_the_same_environment()
     assert first != {os.getpid()}
     # Any other difference gets an interpreter of its own.
     assert parents({"DISTRIBUTE_TEST_EXTRA": "other"}).isdisjoint(first)
+
+
+_IGNORING_SIGCHLD = """
+import signal, sys
+from distribute import launch
+from test_launch import _sigchld_disposition
+
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # a parent that never waits for children
+print(launch.run(_sigchld_disposition, 2, timeout=60, start=sys.argv[1]))
+"""
+
+
+def _sigchld_disposition() -> str:
+    import signal
+
+    return "ignored" if signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN else "default"
+
+
+@STARTS
+def test_a_launcher_ignoring_sigchld_still_gets_its_results(tmp_path: Path, start: str) -> None:
+    # The kernel reaps children of a process that ignores SIGCHLD; the preloaded
+    # interpreter must still see its workers exit, and they inherit the disposition
+    # as from exec.
+    script = tmp_path / "ignoring.py"
+    script.write_text(_IGNORING_SIGCHLD)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    done = subprocess.run(
+        [sys.executable, str(script), start], env=env, capture_output=True, text=True, timeout=90
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "['ignored', 'ignored']"
