@@ -18,7 +18,40 @@ from distribute.collectives.options import CommunicationImplementation
 from distribute.errors import InvalidArgumentError
 from distribute.strategies._devices import local_gpu
 
-__all__ = ["backend_for", "bind_process", "describe_cluster", "worker_devices"]
+__all__ = [
+    "WorkerIdentity",
+    "backend_for",
+    "bind_process",
+    "describe_cluster",
+    "worker_devices",
+]
+
+
+class WorkerIdentity:
+    """This worker's place in its cluster, read from the strategy's resolver (None
+    for a single worker): the properties of a strategy with one process per worker."""
+
+    _resolver: ClusterResolver | None
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver | None:
+        """The resolver this strategy was built from (None for a single worker)."""
+        return self._resolver
+
+    @property
+    def worker_index(self) -> int:
+        """This worker's index (its rank in the process group)."""
+        return self._resolver.rank if self._resolver is not None else 0
+
+    @property
+    def num_workers(self) -> int:
+        """How many worker processes train together."""
+        return self._resolver.world_size if self._resolver is not None else 1
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this worker saves checkpoints and writes summaries (rank 0)."""
+        return self.worker_index == 0
 
 
 def worker_devices(resolver: ClusterResolver | None) -> list[str]:

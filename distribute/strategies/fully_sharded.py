@@ -31,6 +31,7 @@ from distribute.collectives.options import CommunicationOptions
 from distribute.errors import InvalidArgumentError
 from distribute.gradients.sharded import ShardedStepHandler
 from distribute.strategies._cluster import (
+    WorkerIdentity,
     backend_for,
     bind_process,
     describe_cluster,
@@ -114,7 +115,7 @@ class _ShardedExtended(ReplicatedExtended):
             self._no_sync_depth -= 1
 
 
-class FullyShardedStrategy(Strategy):
+class FullyShardedStrategy(WorkerIdentity, Strategy):
     """Synchronous training with parameters, gradients and optimizer state sharded
     across the workers (FSDP2), for models larger than one device.
 
@@ -227,26 +228,6 @@ class FullyShardedStrategy(Strategy):
                 shape or (world_size,),
                 backend,
             )
-
-    @property
-    def cluster_resolver(self) -> ClusterResolver | None:
-        """The resolver this strategy was built from (None for a single worker)."""
-        return self._resolver
-
-    @property
-    def worker_index(self) -> int:
-        """This worker's index (its rank in the process group)."""
-        return self._resolver.rank if self._resolver is not None else 0
-
-    @property
-    def num_workers(self) -> int:
-        """How many worker processes train together."""
-        return self._resolver.world_size if self._resolver is not None else 1
-
-    @property
-    def is_chief(self) -> bool:
-        """Whether this worker saves checkpoints and writes summaries (rank 0)."""
-        return self.worker_index == 0
 
     @property
     def sharding_options(self) -> ShardingOptions:

@@ -23,6 +23,7 @@ import torch
 from distribute.cluster_resolver import ClusterResolver, resolve_cluster
 from distribute.collectives.options import CommunicationOptions
 from distribute.strategies._cluster import (
+    WorkerIdentity,
     backend_for,
     bind_process,
     describe_cluster,
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_BYTES_PER_PACK = 25 * 1024 * 1024
 
 
-class MultiWorkerMirroredStrategy(Strategy):
+class MultiWorkerMirroredStrategy(WorkerIdentity, Strategy):
     """Synchronous training on every replica of every worker process.
 
     Variables created in scope are mirrored on the local replicas and start from
@@ -117,26 +118,6 @@ class MultiWorkerMirroredStrategy(Strategy):
                     backend,
                 )
         self._devices = names
-
-    @property
-    def cluster_resolver(self) -> ClusterResolver | None:
-        """The resolver this strategy was built from (None for a single worker)."""
-        return self._resolver
-
-    @property
-    def worker_index(self) -> int:
-        """This worker's index (its rank in the process group)."""
-        return self._resolver.rank if self._resolver is not None else 0
-
-    @property
-    def num_workers(self) -> int:
-        """How many worker processes train together."""
-        return self._resolver.world_size if self._resolver is not None else 1
-
-    @property
-    def is_chief(self) -> bool:
-        """Whether this worker saves checkpoints and writes summaries (rank 0)."""
-        return self.worker_index == 0
 
     def shutdown(self) -> None:
         """Destroys the process group; the strategy cannot run collectives afterwards."""
