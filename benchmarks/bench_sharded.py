@@ -74,6 +74,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _fsdp_baseline import fsdp_by_hand
 from _timing import interleaved, quartiles
 
 import distribute as ds
@@ -99,27 +100,6 @@ def _model(width: int, layers: int) -> torch.nn.Sequential:
     return torch.nn.Sequential(*modules)
 
 
-def _fsdp_by_hand(model: torch.nn.Sequential) -> torch.nn.Module:
-    """FSDP2 as the strategy applies it (NOTE [sharding]), without the library: the
-    same units, mesh and settings; FSDP's own collectives, not watched ones."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=None)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)
-            module.set_gradient_divide_factor(1.0)
-            if hasattr(module, "set_reduce_scatter_unused_params"):  # as the strategy
-                module.set_reduce_scatter_unused_params(True, recurse=False)
-    return model
-
-
 class _Side:
     """One side's model, optimizer and step."""
 
@@ -140,7 +120,7 @@ class _Side:
                 self.model: torch.nn.Module = _model(width, layers)
                 self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4)
         else:
-            self.model = _fsdp_by_hand(_model(width, layers))
+            self.model = fsdp_by_hand(_model(width, layers))
             self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4)
         self.side = side
         self.x, self.y, self.global_batch = x, y, global_batch

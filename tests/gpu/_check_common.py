@@ -281,6 +281,28 @@ def losses_difference(actual: Sequence[float], expected: Sequence[float]) -> tup
     return max(diffs, default=0.0), ok
 
 
+def two_workers_problems(
+    results: Sequence[Mapping[str, Any]], key: str, expected: Mapping[str, Any]
+) -> tuple[float, float, list[str]]:
+    """Two workers' ``results[rank][key]`` (``losses``, ``state``) against one
+    process's: the largest weight and loss differences, and what is wrong (rank 0
+    away from one process, the ranks apart, a backend other than gloo)."""
+    first, second = results[0][key], results[1][key]
+    weights, bad = max_difference(first["state"], expected["state"])
+    losses, losses_ok = losses_difference(first["losses"], expected["losses"])
+    problems = []
+    if bad:
+        problems.append(f"weights differ from one process beyond 1e-4: {bad[:5]}")
+    if not losses_ok:
+        problems.append(f"losses {first['losses']} vs {expected['losses']}")
+    differ = [n for n, t in first["state"].items() if not torch.equal(t, second["state"][n])]
+    if differ:
+        problems.append(f"ranks 0 and 1 differ in {differ[:5]}")
+    if any(r["backend"] != "gloo" for r in results):
+        problems.append(f"backends {[r['backend'] for r in results]}, expected gloo")
+    return weights, losses, problems
+
+
 def component(strategy: ds.Strategy, value: Any) -> torch.Tensor:
     """This process's first component of a variable or value (a tensor on its device)."""
     return torch.as_tensor(strategy.experimental_local_results(value)[0])

@@ -44,6 +44,7 @@ from _check_common import (
     reference_step,
     run_part,
     train_step,
+    two_workers_problems,
 )
 from _check_common import batches as make_batches
 
@@ -219,19 +220,7 @@ def two_workers(ctx: Context) -> None:
         for optimizer in OPTIMIZERS:
             check = f"two_workers 2x1 gloo {optimizer}"
             expected = _one_process(ctx, optimizer, steps)
-            first, second = results[0][optimizer], results[1][optimizer]
-            weights, bad = max_difference(first["state"], expected["state"])
-            losses, losses_ok = losses_difference(first["losses"], expected["losses"])
-            problems = []
-            if bad:
-                problems.append(f"weights differ from one process beyond 1e-4: {bad[:5]}")
-            if not losses_ok:
-                problems.append(f"losses {first['losses']} vs {expected['losses']}")
-            differ = [
-                n for n, t in first["state"].items() if not torch.equal(t, second["state"][n])
-            ]
-            if differ:
-                problems.append(f"ranks 0 and 1 differ in {differ[:5]}")
+            weights, losses, problems = two_workers_problems(results, optimizer, expected)
             for r in results:
                 got = r[optimizer]
                 if got["variable_device"] != want or got["batch_devices"] != [want]:
@@ -239,8 +228,6 @@ def two_workers(ctx: Context) -> None:
                         f"rank {r['rank']}: variables on {got['variable_device']}, "
                         f"batches on {got['batch_devices']}, expected {want}"
                     )
-            if any(r["backend"] != "gloo" for r in results):
-                problems.append(f"backends {[r['backend'] for r in results]}, expected gloo")
             ctx.rec.check(
                 check,
                 "failed: " + "; ".join(problems) if problems else "passed",

@@ -50,8 +50,10 @@ from _check_common import (
     run_part,
     time_cases,
     train_step,
+    two_workers_problems,
 )
 from _check_parity import IMAGE, PER_RANK, _one_process
+from _fsdp_baseline import fsdp_by_hand  # benchmarks/, on the path by _check_common
 
 import distribute as ds
 
@@ -221,27 +223,6 @@ def big_model(width: int, layers: int) -> torch.nn.Sequential:
     return torch.nn.Sequential(*modules)
 
 
-def fsdp_by_hand(model: torch.nn.Sequential, device: torch.device) -> torch.nn.Module:
-    """FSDP2 as FullyShardedStrategy applies it, without the library: the Linear layers
-    and the root as units over the default group, ZeRO-3, sums (NOTE [sharding])."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=None)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)
-            module.set_gradient_divide_factor(1.0)
-            if hasattr(module, "set_reduce_scatter_unused_params"):  # as the strategy
-                module.set_reduce_scatter_unused_params(True, recurse=False)
-    return model
-
-
 def _mse_step(model: Any, optimizer: torch.optim.Optimizer, global_batch: int) -> Any:
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         per_example = ((model(x) - y) ** 2).sum(dim=1)
@@ -264,7 +245,7 @@ def _step_figure(ctx: Context, strategy: Any) -> None:
         ours = big_model(width, layers)
         ours_opt = torch.optim.Adam(ours.parameters(), lr=1e-4)
     torch.manual_seed(0)
-    theirs = fsdp_by_hand(big_model(width, layers), ctx.device)
+    theirs = fsdp_by_hand(big_model(width, layers), ctx.device.type)
     theirs_opt = torch.optim.Adam(theirs.parameters(), lr=1e-4)
     ours_step = _mse_step(ours, ours_opt, batch)
     theirs_step = _mse_step(theirs, theirs_opt, batch)
@@ -388,19 +369,7 @@ def sharded_two_workers(ctx: Context) -> None:
         for optimizer in OPTIMIZERS:
             check = f"sharded_two_workers 2x1 gloo {optimizer}"
             expected = _one_process(ctx, optimizer, steps)
-            first, second = results[0][optimizer], results[1][optimizer]
-            weights, bad = max_difference(first["state"], expected["state"])
-            losses, losses_ok = losses_difference(first["losses"], expected["losses"])
-            problems = []
-            if bad:
-                problems.append(f"weights differ from one process beyond 1e-4: {bad[:5]}")
-            if not losses_ok:
-                problems.append(f"losses {first['losses']} vs {expected['losses']}")
-            differ = [
-                n for n, t in first["state"].items() if not torch.equal(t, second["state"][n])
-            ]
-            if differ:
-                problems.append(f"ranks 0 and 1 see different values of {differ[:5]}")
+            weights, losses, problems = two_workers_problems(results, optimizer, expected)
             for r in results:
                 got = r[optimizer]
                 problems += [f"rank {r['rank']}: {p}" for p in _problems(got, want)]
@@ -409,8 +378,6 @@ def sharded_two_workers(ctx: Context) -> None:
                         f"rank {r['rank']} holds {got['local_numel']} of {got['numel']} "
                         "parameter elements, expected about half"
                     )
-            if any(r["backend"] != "gloo" for r in results):
-                problems.append(f"backends {[r['backend'] for r in results]}, expected gloo")
             ctx.rec.check(
                 check,
                 "failed: " + "; ".join(problems) if problems else "passed",
@@ -419,7 +386,7 @@ def sharded_two_workers(ctx: Context) -> None:
                 max_weight_diff=weights,
                 max_loss_diff=losses,
                 local_numel=[r[optimizer]["local_numel"] for r in results],
-                numel=first["numel"],
+                numel=results[0][optimizer]["numel"],
             )
     if not ctx.cuda:
         ctx.rec.check("sharded_two_workers memory", ctx.no_cuda_reason())
