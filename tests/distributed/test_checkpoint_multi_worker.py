@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from shared_checks import assert_identical
 from torch.distributed.checkpoint import CheckpointException
 
 import distribute as ds
@@ -56,26 +57,6 @@ def _clone(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_clone(v) for v in value)
     return value
-
-
-def _assert_identical(actual: Any, expected: Any, where: str = "") -> None:
-    """Equal nests, tensors bitwise equal with the same dtype and shape."""
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), f"{where}: {type(actual).__name__}"
-        assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
-        assert torch.equal(actual, expected), f"{where}: values differ"
-    elif isinstance(expected, dict):
-        assert isinstance(actual, dict) and set(actual) == set(expected), (
-            f"{where}: keys {sorted(actual)} != {sorted(expected)}"
-        )
-        for key in expected:
-            _assert_identical(actual[key], expected[key], f"{where}/{key}")
-    elif isinstance(expected, (list, tuple)):
-        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), where
-        for i, (a, e) in enumerate(zip(actual, expected)):
-            _assert_identical(a, e, f"{where}[{i}]")
-    else:
-        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
 
 def _tensor_bytes(value: Any) -> int:
@@ -183,8 +164,8 @@ def test_save_under_2_workers_restores_exactly_under_4_then_under_2_and_one_proc
     first, second = str(tmp_path / "by-2"), str(tmp_path / "by-4")
     saved = launch.run(_train_and_save, 2, args=(first, 3), timeout=120)
     assert [out["path"] for out in saved] == [first, first]
-    _assert_identical(saved[1]["params"], saved[0]["params"], "rank 1 vs rank 0 (saved)")
-    _assert_identical(saved[1]["optimizer"], saved[0]["optimizer"], "rank 1 vs rank 0 (saved)")
+    assert_identical(saved[1]["params"], saved[0]["params"], "rank 1 vs rank 0 (saved)")
+    assert_identical(saved[1]["optimizer"], saved[0]["optimizer"], "rank 1 vs rank 0 (saved)")
     expected = saved[0]
     assert len(expected["optimizer"]["state"]) == 6  # every parameter has Adam moments
     assert float(expected["optimizer"]["state"][0]["step"]) == 3.0
@@ -194,8 +175,8 @@ def test_save_under_2_workers_restores_exactly_under_4_then_under_2_and_one_proc
     restored = launch.run(_restore_and_maybe_save, 4, args=(first, second), timeout=120)
     for rank, out in enumerate(restored):
         assert out["copies_equal"]
-        _assert_identical(out["params"], expected["params"], f"4 workers, rank {rank}, params")
-        _assert_identical(out["optimizer"], expected["optimizer"], f"4 workers, rank {rank}")
+        assert_identical(out["params"], expected["params"], f"4 workers, rank {rank}, params")
+        assert_identical(out["optimizer"], expected["optimizer"], f"4 workers, rank {rank}")
         assert out["path"] == second
     _assert_size_is_one_copy(second, expected)
 
@@ -204,8 +185,8 @@ def test_save_under_2_workers_restores_exactly_under_4_then_under_2_and_one_proc
     here = [_restore_here(second, None), _restore_here(second, ds.OneDeviceStrategy("cpu"))]
     places = ["2 workers, rank 0", "2 workers, rank 1", "no strategy", "OneDeviceStrategy"]
     for where, out in zip(places, [*again, *here]):
-        _assert_identical(out["params"], expected["params"], f"{where}, params")
-        _assert_identical(out["optimizer"], expected["optimizer"], f"{where}, optimizer")
+        assert_identical(out["params"], expected["params"], f"{where}, params")
+        assert_identical(out["optimizer"], expected["optimizer"], f"{where}, optimizer")
 
 
 def _restore_failure(path: str) -> dict[str, Any]:
@@ -415,8 +396,8 @@ def test_worker_killed_during_a_save_leaves_the_previous_checkpoint_latest_and_l
     ckpt.restore(latest)
     expected = by_name[Path(latest).name]
     assert ckpt.step == int(Path(latest).name.split("-")[1])
-    _assert_identical(_state(model), expected["params"], f"{latest}, params")
-    _assert_identical(_clone(optimizer.state_dict()), expected["optimizer"], f"{latest}, opt")
+    assert_identical(_state(model), expected["params"], f"{latest}, params")
+    assert_identical(_clone(optimizer.state_dict()), expected["optimizer"], f"{latest}, opt")
 
     # Saving again over what the killed save left behind works and becomes latest.
     resumed = ds.CheckpointManager(ckpt, directory, max_to_keep=3)
@@ -425,7 +406,7 @@ def test_worker_killed_during_a_save_leaves_the_previous_checkpoint_latest_and_l
     assert not list(directory.glob("*.partial")), sorted(os.listdir(directory))
     model2, optimizer2 = _fresh_model_and_optimizer()
     ds.Checkpoint(model=model2, optimizer=optimizer2).restore(path)
-    _assert_identical(_state(model2), expected["params"], f"{path}, params")
+    assert_identical(_state(model2), expected["params"], f"{path}, params")
 
 
 # -- 4. interrupted and resumed training is bitwise the uninterrupted one ----------------
@@ -518,8 +499,8 @@ def test_training_interrupted_and_resumed_ends_bitwise_equal_to_uninterrupted(
         assert resumed[rank]["seen"] == straight[rank]["seen"][_INTERRUPT_AT:], (
             f"rank {rank}: the resumed run read other batches than the uninterrupted one"
         )
-        _assert_identical(resumed[rank]["params"], straight[rank]["params"], f"rank {rank}")
-        _assert_identical(resumed[rank]["optimizer"], straight[rank]["optimizer"], f"rank {rank}")
+        assert_identical(resumed[rank]["params"], straight[rank]["params"], f"rank {rank}")
+        assert_identical(resumed[rank]["optimizer"], straight[rank]["optimizer"], f"rank {rank}")
         assert torch.equal(resumed[rank]["rng"], straight[rank]["rng"]), rank  # dropout's too
     # The resumed workers started from other values (their seed): restore replaced them.
     assert not torch.equal(resumed[0]["initial"]["0.weight"], straight[0]["initial"]["0.weight"])

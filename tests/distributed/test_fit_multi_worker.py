@@ -10,14 +10,13 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import signal
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from shared_checks import StepRecorder
 
 import distribute as ds
 from distribute import launch
@@ -178,33 +177,13 @@ def _unknown_sizes_worker(kind: str, n: int) -> dict[str, Any]:
     return out
 
 
-class _Recorder(ds.callbacks.Callback):
-    """Records the (epoch, batch) of every training step; rank ``kill_rank`` SIGKILLs
-    itself at the end of step ``kill_at``."""
-
-    def __init__(self, kill_rank: int | None, kill_at: tuple[int, int]) -> None:
-        super().__init__()
-        self.kill_rank, self.kill_at = kill_rank, kill_at
-        self.steps: list[tuple[int, int]] = []
-        self.epoch = -1
-
-    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        self.steps.append((self.epoch, batch))
-        if self.kill_rank == int(os.environ["RANK"]) and (self.epoch, batch) == self.kill_at:
-            sys.stdout.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _backup_worker(
     backup_dir: str | None, kill_rank: int | None, kill_at: tuple[int, int]
 ) -> dict[str, Any]:
     strategy = _strategy(1)
     with strategy.scope():
         model = _model()
-    recorder = _Recorder(kill_rank, kill_at)
+    recorder = StepRecorder(kill_rank, kill_at)
     callbacks: list[ds.callbacks.Callback] = []
     if backup_dir is not None:
         callbacks.append(ds.callbacks.BackupAndRestore(backup_dir, save_freq=3))

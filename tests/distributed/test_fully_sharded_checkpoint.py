@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from shared_checks import assert_identical
 
 import distribute as ds
 from distribute import launch
@@ -134,26 +135,6 @@ def _whole(value: Any) -> Any:
 
 def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {"params": _whole(model.state_dict()), "optimizer": _whole(optimizer.state_dict())}
-
-
-def _assert_identical(actual: Any, expected: Any, where: str = "") -> None:
-    """Equal nests, tensors bitwise equal with the same dtype and shape."""
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), f"{where}: {type(actual).__name__}"
-        assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
-        assert torch.equal(actual, expected), f"{where}: values differ"
-    elif isinstance(expected, dict):
-        assert isinstance(actual, dict) and set(actual) == set(expected), (
-            f"{where}: keys {sorted(actual)} != {sorted(expected)}"
-        )
-        for key in expected:
-            _assert_identical(actual[key], expected[key], f"{where}/{key}")
-    elif isinstance(expected, (list, tuple)):
-        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), where
-        for i, (a, e) in enumerate(zip(actual, expected)):
-            _assert_identical(a, e, f"{where}[{i}]")
-    else:
-        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
 
 def _restored(strategy: ds.Strategy, path: str, seed: int) -> dict[str, Any]:
@@ -310,7 +291,7 @@ def test_sharded_checkpoints_restore_bitwise_across_world_sizes_and_strategies_a
 
     written = launch.run(_write_under_2, 2, args=(by_fsdp2,), timeout=200)
     expected = written[0]["saved"]
-    _assert_identical(written[1]["saved"], expected, "rank 1 vs rank 0 (saved)")
+    assert_identical(written[1]["saved"], expected, "rank 1 vs rank 0 (saved)")
     assert len(expected["optimizer"]["state"]) == 10  # Adam's moments of every parameter
     assert float(expected["optimizer"]["state"][0]["step"]) == SAVED_AT
 
@@ -318,7 +299,7 @@ def test_sharded_checkpoints_restore_bitwise_across_world_sizes_and_strategies_a
     # (the same global batches; sums over 4 shards instead of 2: float rounding).
     widened = launch.run(_restore_under_4, 4, args=(by_fsdp2, by_fsdp4), timeout=200)
     for rank, out in enumerate(widened):
-        _assert_identical(out["restored"], expected, f"4 workers, rank {rank}")
+        assert_identical(out["restored"], expected, f"4 workers, rank {rank}")
         assert out["start"] == SAVED_AT
         for name, value in written[0]["after"]["params"].items():
             torch.testing.assert_close(
@@ -331,7 +312,7 @@ def test_sharded_checkpoints_restore_bitwise_across_world_sizes_and_strategies_a
     # Sharded -> MultiWorkerMirrored (2 workers), which trains on and writes its own.
     mirrored = launch.run(_restore_under_mirrored, 2, args=(by_fsdp2, by_mirrored), timeout=200)
     for rank, out in enumerate(mirrored):
-        _assert_identical(out["restored"], expected, f"MultiWorkerMirrored, rank {rank}")
+        assert_identical(out["restored"], expected, f"MultiWorkerMirrored, rank {rank}")
         for name, value in written[0]["after"]["params"].items():
             torch.testing.assert_close(
                 out["after"]["params"][name], value, rtol=0, atol=1e-6, msg=name
@@ -342,7 +323,7 @@ def test_sharded_checkpoints_restore_bitwise_across_world_sizes_and_strategies_a
     mine: dict[str, Any] = {}
     for kind, path in (("default", by_default), ("one_device", by_one_device)):
         strategy = _strategy(kind)
-        _assert_identical(_restored(strategy, by_fsdp4, seed=7), expected, kind)
+        assert_identical(_restored(strategy, by_fsdp4, seed=7), expected, kind)
         model, optimizer = _build(strategy, seed=8)
         ds.Checkpoint(model=model, optimizer=optimizer).restore(by_fsdp4)
         mine[kind] = _trained_one_step_and_saved(strategy, model, optimizer, path)
@@ -359,9 +340,9 @@ def test_sharded_checkpoints_restore_bitwise_across_world_sizes_and_strategies_a
     narrowed = launch.run(_restore_under_2, 2, args=(by_fsdp2, paths), timeout=200)
     for rank, out in enumerate(narrowed):
         for (where, (_, state)), restored in zip(others.items(), out["others"]):
-            _assert_identical(restored, state, f"written under {where}, rank {rank}")
+            assert_identical(restored, state, f"written under {where}, rank {rank}")
         assert out["start"] == SAVED_AT
-        _assert_identical(out["after"], written[rank]["after"], f"resumed, rank {rank}")
+        assert_identical(out["after"], written[rank]["after"], f"resumed, rank {rank}")
         assert torch.equal(out["rng"], written[rank]["rng"]), rank
-        _assert_identical(out["attached_later"], expected, f"attached later, rank {rank}")
+        assert_identical(out["attached_later"], expected, f"attached later, rank {rank}")
         assert out["attached_later_types"] == ["DTensor", "Tensor"]  # moments and step

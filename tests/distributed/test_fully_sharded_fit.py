@@ -14,15 +14,13 @@ weights of an uninterrupted one.
 
 from __future__ import annotations
 
-import os
-import signal
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from shared_checks import StepRecorder
 
 import distribute as ds
 from distribute import launch
@@ -135,33 +133,13 @@ def _fits(checkpoints: str) -> dict[str, Any]:
     return out
 
 
-class _Recorder(ds.callbacks.Callback):
-    """Records the (epoch, batch) of every step; rank ``kill_rank`` SIGKILLs itself
-    at the end of step ``kill_at``."""
-
-    def __init__(self, kill_rank: int | None, kill_at: tuple[int, int]) -> None:
-        super().__init__()
-        self.kill_rank, self.kill_at = kill_rank, kill_at
-        self.steps: list[tuple[int, int]] = []
-        self.epoch = -1
-
-    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        self.steps.append((self.epoch, batch))
-        if self.kill_rank == int(os.environ["RANK"]) and (self.epoch, batch) == self.kill_at:
-            sys.stdout.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _backed_up_fit(
     strategy: ds.Strategy, backup: str | None, kill_rank: int | None, kill_at: tuple[int, int]
 ) -> dict[str, Any]:
     with strategy.scope():
         model = ds.Model(_network())
         _compile(model, "adam")
-    recorder = _Recorder(kill_rank, kill_at)
+    recorder = StepRecorder(kill_rank, kill_at)
     callbacks: list[ds.callbacks.Callback] = []
     if backup is not None:
         callbacks.append(ds.callbacks.BackupAndRestore(backup, save_freq=3))
