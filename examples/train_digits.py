@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
+from tqdm import tqdm
 
 import distribute as ds
 
@@ -80,19 +81,49 @@ def load_data(seed: int) -> tuple[TensorDataset, TensorDataset]:
     return TensorDataset(x[:split], y[:split]), TensorDataset(x[split:], y[split:])
 
 
-def progress(epoch: int, epochs: int, step: int, steps: int, loss: float, start: float) -> None:
-    width = 24
-    done = int(width * step / max(steps, 1))
-    bar = "#" * done + "." * (width - done)
-    line = (
-        f"\repoch {epoch + 1:>2}/{epochs} [{bar}] {step:>3}/{steps} "
-        f"loss {loss:.4f} {time.perf_counter() - start:5.1f}s"
-    )
-    sys.stderr.write(line)
-    sys.stderr.flush()
+class Progress:
+    """A tqdm bar per epoch on a terminal; one plain line per epoch elsewhere.
+
+    tqdm redraws its bar with carriage returns, which a log file keeps as one line
+    of every intermediate bar; so when stderr is not a terminal the bar is off and
+    the epoch's summary is written once, at its end.
+    """
+
+    def __init__(self, epoch: int, epochs: int, steps: int) -> None:
+        self.label = f"epoch {epoch + 1}/{epochs}"
+        self.steps = steps
+        self.done = 0
+        self.loss = float("nan")
+        self.start = time.perf_counter()
+        self.bar = tqdm(
+            total=steps,
+            desc=self.label,
+            unit="step",
+            file=sys.stderr,
+            leave=True,
+            disable=not sys.stderr.isatty(),
+        )
+
+    def update(self, step: int, loss: float) -> None:
+        self.bar.update(step - self.done)
+        self.done, self.loss = step, loss
+        self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+
+    def close(self, accuracy: float, examples: int) -> None:
+        summary = f"test accuracy {accuracy:.2%} ({examples} examples)"
+        if self.bar.disable:
+            seconds = time.perf_counter() - self.start
+            sys.stderr.write(
+                f"{self.label} - {self.done}/{self.steps} steps - loss {self.loss:.4f} - "
+                f"{summary} - {seconds:.1f}s\n"
+            )
+        else:
+            self.bar.set_postfix_str(f"loss={self.loss:.4f}, {summary}")
+            self.bar.close()
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def make_parser() -> argparse.ArgumentParser:
+    """The example's command line (the docs tests check the guides' commands with it)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -131,7 +162,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         choices=("loop", "fit"),
         help="loop: the custom training loop below; fit: ds.Model's Keras-style fit",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = make_parser().parse_args(argv)
     if args.strategy == "parameter_server":
         return main_parameter_server(args)
     if args.strategy == "parameter_server_v1":
@@ -203,13 +238,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     checkpoint.data = batches = iter(train_dist)  # at the saved batch after a resume
     for epoch in range(checkpoint.epoch, args.epochs):
         total, n = 0.0, 0
+        bar = Progress(epoch, args.epochs, steps) if show else None
         for batch in batches:
             loss = strategy.reduce("sum", strategy.run(train_step, args=(batch,)), axis=None)
             total, n = total + float(loss), n + 1
             if manager is not None and batches.steps % args.checkpoint_every == 0:
                 manager.save()
-            if show:
-                progress(epoch, args.epochs, batches.steps, steps, total / n, start)
+            if bar is not None:
+                bar.update(batches.steps, total / n)
         checkpoint.epoch = epoch + 1
         checkpoint.data = batches = iter(train_dist)  # saved at the next epoch's start
         if manager is not None:
@@ -223,8 +259,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             accuracy = float(correct.read_value()) / max(float(seen.read_value()), 1.0)
             examples = int(seen.read_value())
         history.append({"epoch": epoch + 1, "loss": total / max(n, 1), "test_accuracy": accuracy})
-        if show:
-            sys.stderr.write(f"  test accuracy {accuracy:.2%} ({examples} examples)\n")
+        if bar is not None:
+            bar.close(accuracy, examples)
     if not history:
         raise SystemExit(f"nothing to train: the checkpoint already finished {args.epochs} epochs")
     result = {

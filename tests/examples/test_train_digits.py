@@ -5,6 +5,7 @@ workers and as two TF_CONFIG workers."""
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import math
 import os
@@ -87,6 +88,41 @@ def test_the_fit_api_gives_the_custom_loops_kind_of_model_under_every_strategy(
     default = example.main(["--api", "fit", "--strategy", "default", "--epochs", "2", "--quiet"])
     assert mirrored["test_accuracy"] > 0.85
     assert mirrored["final_loss"] == pytest.approx(default["final_loss"], rel=1e-5)
+
+
+def test_a_log_file_gets_one_plain_line_per_epoch(
+    example: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """stderr that is not a terminal (a log file, CI) gets no redrawn bars: one line
+    per epoch with the steps, the loss and the test accuracy."""
+    example.main(["--strategy", "default", "--epochs", "2"])
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert [line.split(" - ")[:2] for line in lines] == [
+        ["epoch 1/2", "22/22 steps"],
+        ["epoch 2/2", "22/22 steps"],
+    ]
+    assert all("test accuracy" in line for line in lines)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_terminal_gets_a_tqdm_bar_per_epoch(
+    example: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    example.main(["--strategy", "default", "--epochs", "2"])
+    epochs = terminal.getvalue().split("\n")
+    assert len(epochs) == 3 and epochs[2] == ""  # each bar closed on its own line
+    for number, drawn in enumerate(epochs[:2], start=1):
+        last = drawn.split("\r")[-1]  # what the terminal shows once the epoch ends
+        assert last.startswith(f"epoch {number}/2: 100%"), last
+        assert "22/22" in last and "loss=" in last and "test accuracy" in last
 
 
 def test_the_convolutional_example_learns_digits() -> None:
