@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import inspect
 import logging
 import sys
 import threading
@@ -175,6 +176,38 @@ class _PerWorkerIterators(PerWorkerValues):
             "next() of per-worker iterators runs on the workers: pass the iterators to "
             "coordinator.schedule(fn, args=(iterators,)) and call next() inside fn"
         )
+
+
+def _takes_one_argument(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` takes exactly one positional argument (an `InputContext`)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    positional = [
+        p
+        for p in parameters
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+    return len(positional) == 1
+
+
+class _WithInputContext:
+    """A per-worker `dataset_fn(input_context)`, called on a worker with its context."""
+
+    def __init__(self, dataset_fn: Callable[[Any], Any], num_workers: int) -> None:
+        self._dataset_fn = dataset_fn
+        self._num_workers = num_workers
+
+    def __call__(self) -> Any:
+        from distribute.data.options import InputContext
+
+        context = InputContext(
+            num_input_pipelines=self._num_workers,
+            input_pipeline_id=_runtime.worker_index(_runtime.current().name),
+            num_replicas_in_sync=1,
+        )
+        return self._dataset_fn(context)
 
 
 @dataclass
@@ -323,16 +356,41 @@ class ClusterCoordinator:
 
         return nest.map_structure(get, val)
 
-    def create_per_worker_dataset(self, dataset_fn: Callable[[], Any]) -> PerWorkerValues:
+    def create_per_worker_dataset(self, dataset_fn: Callable[..., Any]) -> PerWorkerValues:
         """Builds ``dataset_fn()`` on every worker; `iter()` of the result gives
         per-worker iterators to pass to `schedule`.
+
+        A `dataset_fn` of one parameter is called with the worker's
+        `ds.InputContext` (``num_input_pipelines``: the workers,
+        ``input_pipeline_id``: this worker's index), as Keras's ``DatasetCreator``
+        is, so that each worker can read its own part of the data.
 
         Example::
 
             per_worker = coordinator.create_per_worker_dataset(lambda: loader)
             iterators = iter(per_worker)
+            # each worker its own shard:
+            coordinator.create_per_worker_dataset(
+                lambda ctx: shard(files, ctx.num_input_pipelines, ctx.input_pipeline_id))
         """
+        if _takes_one_argument(dataset_fn):
+            dataset_fn = _WithInputContext(dataset_fn, len(self._workers))
         return self._per_worker(cloudpickle.dumps(dataset_fn), None)
+
+    @staticmethod
+    def of(strategy: Any) -> ClusterCoordinator:
+        """`strategy`'s coordinator: the one made for it, else a new one.
+
+        Example::
+
+            coordinator = ds.coordinator.ClusterCoordinator.of(strategy)
+        """
+        from distribute.strategies.parameter_server import ParameterServerStrategy
+
+        if isinstance(strategy, ParameterServerStrategy) and strategy._coordinator is not None:
+            existing: ClusterCoordinator = strategy._coordinator
+            return existing
+        return ClusterCoordinator(strategy)
 
     # -- internals ------------------------------------------------------------------
 

@@ -77,6 +77,9 @@ class _Failed:
     def forget(self, task: str) -> None:
         pass
 
+    def quiesce(self) -> None:
+        pass
+
     def shutdown(self) -> None:
         pass
 
@@ -92,6 +95,9 @@ class _NotConnected:
     restarted = False
 
     def forget(self, task: str) -> None:
+        pass
+
+    def quiesce(self) -> None:
         pass
 
     def shutdown(self) -> None:
@@ -502,6 +508,21 @@ def ps_worker_done(worker: str) -> None:
     runtime.workers_done.add(worker)
     if runtime.expected_workers <= runtime.workers_done:
         runtime.stopped.set()
+
+
+def worker_index(name: str) -> int:
+    """The index of worker task `name` (``worker_<i>``)."""
+    prefix = "worker_"
+    if not name.startswith(prefix):
+        raise InvalidArgumentError(
+            f"{name} is not a worker task; per-worker data is built on workers"
+        )
+    return int(name[len(prefix) :])
+
+
+def quiesce_task() -> None:
+    """First phase of a cluster's shutdown (NOTE [quiet shutdown] in _transport)."""
+    current().transport.quiesce()
 
 
 def stop_task() -> None:

@@ -64,6 +64,11 @@ class Transport(Protocol):
         """Forgets dead `task`, so that its restarted process can join."""
         ...
 
+    def quiesce(self) -> None:
+        """Marks this task as leaving: peers closing their connections from now on
+        are expected, not errors (NOTE [quiet shutdown]). Calls still work."""
+        ...
+
     def shutdown(self) -> None:
         """Stops this task's endpoint without waiting for the others."""
         ...
@@ -82,6 +87,7 @@ class RpcTransport:
         self._store = store
         self._timeout = timeout
         self._stopped = False
+        self._quiet = False
 
     @classmethod
     def start(
@@ -163,6 +169,16 @@ class RpcTransport:
             ]
             self._store.set(_MEMBERS_KEY, "".join(f"{m}," for m in kept))
 
+    def quiesce(self) -> None:
+        if self._stopped or self._quiet:
+            return
+        self._quiet = True
+        import torch.distributed.rpc as rpc
+
+        # A dynamic group's join: waits for this task's own calls to end and marks
+        # its agent as shutting down, closing nothing (NOTE [quiet shutdown]).
+        rpc.api._get_current_rpc_agent().join(shutdown=True)  # type: ignore[attr-defined]  # private
+
     def shutdown(self) -> None:
         if self._stopped:
             return
@@ -230,6 +246,15 @@ class RpcTransport:
             self._store.set(_TOKEN_KEY, "")
             self._store.set(mine, "Done")  # what a joiner that waited for us waits on
 
+
+# NOTE [quiet shutdown]
+# TensorPipe logs a warning ("encountered error when reading incoming request from
+# X: pipe closed / EOF") whenever a peer's connection closes while this agent is not
+# shutting down itself, so a plain shutdown of a cluster printed one per pair of
+# tasks. A normal exit therefore has two phases: every task is quiesced first (its
+# agent marked as shutting down; connections stay open, calls still work), and only
+# then does any task close its endpoint. A dead task cannot be quiesced: the others
+# still report its connections, which is then news.
 
 # NOTE [rpc names]
 # rpc keeps a name, and an id, for good once a process took it, and refuses a second

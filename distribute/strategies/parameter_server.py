@@ -527,14 +527,23 @@ def leave_cluster(
     runtime: _runtime.Runtime, tasks: Sequence[str], tell: Callable[..., None], *args: Any
 ) -> None:
     """Tells `tasks` (``tell(*args)`` on each, 5 s at most, a dead one skipped), then
-    closes this task's endpoint."""
-    futures = []
-    for name in tasks:
-        with contextlib.suppress(Exception):
-            futures.append(runtime.transport.call(name, tell, args, 5.0))
-    for future in futures:
-        with contextlib.suppress(Exception):
-            future.wait()
+    closes this task's endpoint. Every task is quiesced first, this one last, so that
+    no live task reports the others' connections closing (NOTE [quiet shutdown] in
+    ps/_transport.py)."""
+
+    def call_all(fn: Callable[..., None], fn_args: tuple[Any, ...]) -> None:
+        futures = []
+        for name in tasks:
+            with contextlib.suppress(Exception):
+                futures.append(runtime.transport.call(name, fn, fn_args, 5.0))
+        for future in futures:
+            with contextlib.suppress(Exception):
+                future.wait()
+
+    call_all(_runtime.quiesce_task, ())
+    with contextlib.suppress(Exception):
+        runtime.transport.quiesce()
+    call_all(tell, args)
     runtime.transport.shutdown()
     _runtime.install(None)
 

@@ -33,6 +33,7 @@ import torch
 from distribute import context
 from distribute._enums import VariableAggregation, VariableSynchronization
 from distribute.errors import InvalidArgumentError
+from distribute.variables import DistributedVariable
 
 __all__ = [
     "AUC",
@@ -66,12 +67,18 @@ class Metric:
         from distribute import variables
 
         self.name = name
-        self.state = variables.Variable(
+        self.state: torch.Tensor = variables.Variable(
             torch.zeros(self.size, dtype=torch.float64),
             trainable=False,
             synchronization=VariableSynchronization.ON_READ,
             aggregation=VariableAggregation.SUM,
         )
+
+    def keep_local(self) -> None:
+        """Keeps the sums in this process, outside any strategy, starting from zero
+        (`ParameterServerStrategy`'s `fit`: each closure returns the sums of its
+        batch, and the chief adds them up)."""
+        self.state = torch.zeros(self.size, dtype=torch.float64)
 
     def batch_sums(
         self, y_true: torch.Tensor, y_pred: torch.Tensor, sample_weight: torch.Tensor | None
@@ -89,7 +96,15 @@ class Metric:
         """Adds a batch (in the running replica's own copy of the state)."""
         with torch.no_grad():
             sums = self.batch_sums(torch.as_tensor(y_true), torch.as_tensor(y_pred), sample_weight)
-            self.state.assign_add(sums.to(torch.float64))
+            self._add(sums)
+
+    def _add(self, sums: torch.Tensor) -> None:
+        """Adds `sums` to the running replica's own copy of the state."""
+        state = self.state
+        if isinstance(state, DistributedVariable):
+            state.assign_add(sums.to(torch.float64))
+        else:  # kept local (`keep_local`)
+            state.add_(sums.to(state.device, torch.float64))
 
     def local_totals(self) -> torch.Tensor:
         """This worker's sums (its replicas' copies added), without communication."""
@@ -102,7 +117,8 @@ class Metric:
 
     def result(self) -> float:
         """The value over every replica of every worker (a cross-replica read)."""
-        return self.result_from(self.state.read_value().detach().cpu())
+        read = getattr(self.state, "read_value", None)
+        return self.result_from((read() if read is not None else self.state).detach().cpu())
 
     def local_result(self) -> float:
         """The value over this worker's replicas only (no communication)."""
@@ -148,7 +164,7 @@ class Mean(Metric):
         values = torch.as_tensor(values).detach().reshape(-1).double()
         weights = _weights(sample_weight, len(values), values.device)
         with torch.no_grad():
-            self.state.assign_add(torch.stack([(values * weights).sum(), weights.sum()]).cpu())
+            self._add(torch.stack([(values * weights).sum(), weights.sum()]).cpu())
 
 
 def _sparse_correct(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
@@ -306,6 +322,13 @@ class TorchMetric(Metric):
     def reset_state(self) -> None:
         with self._lock:
             self._copies.clear()
+
+    def keep_local(self) -> None:
+        raise InvalidArgumentError(
+            f"metric {self.name!r} is a torchmetrics object, whose state cannot be summed "
+            "over the closures of ParameterServerStrategy's fit; pass its name (e.g. "
+            "'accuracy') or a ds.metrics object instead"
+        )
 
 
 def _snake_case(name: str) -> str:

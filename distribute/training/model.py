@@ -26,8 +26,9 @@ and keeps, its running statistics. `fit` trains in the mode the modules are in
 (a new module's is training), so a submodule a user froze with ``.eval()`` stays
 frozen.
 
-ParameterServer and TPU strategies plug in at `_run_step` (schedule the step on a
-coordinator, or mark an XLA step) when they exist.
+Under `ParameterServerStrategy` the chief runs no step: `_ps_fit` schedules each
+one as a closure on the workers and adds up what they return (NOTE
+[parameter-server fit]).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from distribute._enums import ReduceOp
 from distribute.checkpoint._objects import apply_state, capture_state, strategy_of
 from distribute.errors import ContextError, InvalidArgumentError
 from distribute.losses import compute_average_loss
+from distribute.training import _ps_fit
 from distribute.training import losses as losses_lib
 from distribute.training import metrics as metrics_lib
 from distribute.training._data import Data, adapt, local_batch_size, split_arrays, unpack
@@ -304,7 +306,12 @@ class Model(torch.nn.Module):
                 x, y, sample_weight, validation_split
             )
         strategy = self._ds_strategy
-        train = adapt(strategy, x, y, sample_weight, batch_size, shuffle)
+        ps_loop = _ps_fit.loop_for(self)
+        train = (
+            ps_loop.adapt(x, y, sample_weight, batch_size, shuffle, steps_per_epoch)
+            if ps_loop is not None
+            else adapt(strategy, x, y, sample_weight, batch_size, shuffle)
+        )
         validation = None
         if validation_data is not None:
             vx, vy, vw = (
@@ -321,6 +328,8 @@ class Model(torch.nn.Module):
             self,
             {"epochs": epochs, "steps": steps, "verbose": verbose},
         )
+        if ps_loop is not None:
+            ps_loop.check_callbacks(hooks)
         self.history = history
         self.stop_training = False
         self._initial_epoch = initial_epoch
@@ -331,7 +340,11 @@ class Model(torch.nn.Module):
         for epoch in range(self._initial_epoch, epochs):
             self._reset_metrics()
             hooks.on_epoch_begin(epoch)
-            total, count = self._train_epoch(train, hooks, steps_per_epoch)
+            total, count = (
+                ps_loop.train_epoch(train, hooks, steps_per_epoch)
+                if ps_loop is not None
+                else self._train_epoch(train, hooks, steps_per_epoch)
+            )
             logs = {"loss": total / count if count else 0.0, **self._metric_logs()}
             if validation is not None and (epoch + 1) % validation_freq == 0:
                 val = self._evaluate_data(validation, validation_steps, hooks)  # on_test_*
@@ -443,6 +456,7 @@ class Model(torch.nn.Module):
         keeps its running statistics, dropout is off); every submodule's mode is
         restored after, as for `predict` and `fit`'s validation."""
         self._require_compiled("evaluate")
+        self._read_trained_variables()
         data = adapt(self._ds_strategy, x, y, sample_weight, batch_size, shuffle=False)
         bar = ProgressBar(verbose, self._is_chief, "test")
         hooks = CallbackList([*(callbacks or ()), bar], self, {"steps": steps or data.steps})
@@ -489,6 +503,7 @@ class Model(torch.nn.Module):
 
         The network runs in eval mode (Keras's ``training=False``), every
         submodule's mode restored after."""
+        self._read_trained_variables()
         data = adapt(self._ds_strategy, x, None, None, batch_size, shuffle=False)
         bar = ProgressBar(verbose, self._is_chief, "predict")
         hooks = CallbackList([*(callbacks or ()), bar], self, {"steps": steps or data.steps})
@@ -506,6 +521,13 @@ class Model(torch.nn.Module):
             raise InvalidArgumentError("predict got no data")
         return _concatenate(outputs)
 
+    def _read_trained_variables(self) -> None:
+        """Under `ParameterServerStrategy`: the chief's copies of the variables read
+        from the ps tasks (they hold the trained values)."""
+        ps_loop = _ps_fit.loop_for(self)
+        if ps_loop is not None:
+            ps_loop.before_inference()
+
     @contextlib.contextmanager
     def _inference_mode(self) -> Iterator[None]:
         """Every submodule in eval mode (Keras's ``training=False``: BatchNorm's running
@@ -517,6 +539,19 @@ class Model(torch.nn.Module):
         finally:
             for module, training in modes:
                 module.training = training
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The model without the state of a `fit` in progress (its iterator, history
+        and step sizes): what a closure sent to a parameter-server worker carries."""
+        state = dict(self.__dict__)
+        state.update(
+            _train_iterator=None,
+            _train_data=None,
+            history=None,
+            _step_sizes={},
+            stop_training=False,
+        )
+        return state
 
     # -- for callbacks ----------------------------------------------------------------------
 
