@@ -1,0 +1,162 @@
+"""`ds.Model.fit` / `evaluate` / `predict` under ParameterServerStrategy on real
+processes (a chief, ps and worker tasks over rpc): Keras's parameter-server fit.
+
+Each cluster is one run of ``tests/distributed/_ps_fit_chief.py <case>`` (rpc is one
+per process); the tests assert on its report and on its stderr, where every task of
+the cluster writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from _ps_chief import MARKER
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+
+ROOT = Path(__file__).resolve().parents[2]
+CHIEF = Path(__file__).with_name("_ps_fit_chief.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+#: What TensorPipe prints when a task's connection closes under a live agent.
+TENSORPIPE_NOISE = ("tensorpipe", "RPC agent for", "broken pipe", "pipe closed")
+
+
+def _run(case: str) -> tuple[dict[str, Any], str]:
+    proc = subprocess.run(
+        [sys.executable, str(CHIEF), case],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARKER)]
+    assert proc.returncode == 0 and lines, (
+        f"chief {case!r} exited {proc.returncode} without a report:\n{proc.stderr[-4000:]}"
+    )
+    report: dict[str, Any] = json.loads(lines[-1][len(MARKER) :])
+    assert "error" not in report, f"chief {case!r} failed: {report['error']}\n{report['traceback']}"
+    return report, proc.stderr
+
+
+def _check(report: dict[str, Any], name: str) -> dict[str, Any]:
+    check: dict[str, Any] = report[name]
+    if "error" in check:
+        pytest.fail(f"check {name!r} raised in the chief: {check['error']}\n{check['traceback']}")
+    return check
+
+
+@pytest.fixture(scope="module")
+def one_worker() -> tuple[dict[str, Any], str]:
+    """1 worker, 1 ps: parity with one device, lr 0, checkpoints, refusals."""
+    return _run("one_worker")
+
+
+@pytest.fixture(scope="module")
+def two_workers() -> tuple[dict[str, Any], str]:
+    """2 workers, 1 ps: learning, inference, per-worker data, a killed worker."""
+    return _run("two_workers")
+
+
+def _close(a: Any, b: Any, tol: float = 1e-5) -> None:
+    np.testing.assert_allclose(
+        np.asarray(a, dtype=float), np.asarray(b, dtype=float), atol=tol, rtol=tol
+    )
+
+
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam"])
+def test_with_one_worker_fit_evaluate_predict_give_one_devices_numbers(
+    one_worker: tuple[dict[str, Any], str], optimizer: str
+) -> None:
+    check = _check(one_worker[0], optimizer)
+    one, ps = check["one_device"], check["ps"]
+    assert set(ps["history"]) == {"loss", "mae", "val_loss", "val_mae"}
+    for key, values in one["history"].items():
+        _close(ps["history"][key], values)
+    _close(ps["weights"][0], one["weights"][0])
+    for got, want in zip(ps["weights"], one["weights"]):
+        _close(got, want)
+    _close(ps["evaluate"], one["evaluate"])
+    _close(ps["predict"], one["predict"])
+    assert one["history"]["loss"][0] > one["history"]["loss"][-1]  # it trained
+
+
+def test_with_learning_rate_zero_every_epoch_logs_the_initial_loss(
+    one_worker: tuple[dict[str, Any], str],
+) -> None:
+    check = _check(one_worker[0], "lr_zero")
+    _close(check["losses"], [check["initial"]] * 3)
+
+
+def test_model_checkpoint_saves_each_epochs_weights_under_parameter_servers(
+    one_worker: tuple[dict[str, Any], str],
+) -> None:
+    check = _check(one_worker[0], "checkpoints")
+    for got, want in zip(check["restored_from_file"], check["epoch_2_weights"]):
+        _close(got, want, tol=0)
+
+
+def test_backup_and_restore_resumes_an_interrupted_fit_to_the_uninterrupted_weights(
+    one_worker: tuple[dict[str, Any], str],
+) -> None:
+    check = _check(one_worker[0], "checkpoints")
+    assert check["interrupted"]
+    assert check["resumed_epochs"] == 2  # epochs 3 and 4 of 4
+    for got, want in zip(check["resumed_weights"], check["uninterrupted_weights"]):
+        _close(got, want)
+
+
+def test_misuse_under_parameter_servers_is_refused_saying_what_to_do(
+    one_worker: tuple[dict[str, Any], str],
+) -> None:
+    check = _check(one_worker[0], "refusals")
+    backup = check["backup_per_step"]
+    assert backup is not None and "ValueError" in backup["mro"]
+    assert "save_freq='epoch'" in backup["message"]
+    steps = check["dataset_fn_without_steps"]
+    assert steps is not None and "steps_per_epoch" in steps["message"]
+    with_y = check["dataset_fn_with_y"]
+    assert with_y is not None and "do not pass y" in with_y["message"]
+
+
+def test_a_normal_exit_prints_no_tensorpipe_warning(
+    one_worker: tuple[dict[str, Any], str],
+) -> None:
+    report, stderr = one_worker
+    assert all(code == 0 for code in report["exit_codes"].values()), report["exit_codes"]
+    noise = [line for line in stderr.splitlines() if any(n in line for n in TENSORPIPE_NOISE)]
+    assert not noise, "\n".join(noise)
+
+
+def test_two_workers_learn_and_evaluate_predict_use_the_trained_weights(
+    two_workers: tuple[dict[str, Any], str],
+) -> None:
+    check = _check(two_workers[0], "two_workers")
+    losses = check["losses"]
+    assert losses[-1] < 0.5 * losses[0], losses
+    _close(check["evaluate"][0], check["direct_loss"])
+    assert check["predict_error"] < 1e-6
+
+
+def test_a_dataset_fn_gets_each_workers_input_context(
+    two_workers: tuple[dict[str, Any], str],
+) -> None:
+    check = _check(two_workers[0], "two_workers")
+    assert check["contexts"] == [[2, 0], [2, 1]]
+    assert len(check["dataset_fn_losses"]) == 2 and all(np.isfinite(check["dataset_fn_losses"]))
+
+
+def test_a_worker_killed_during_fit_does_not_lose_the_run(
+    two_workers: tuple[dict[str, Any], str],
+) -> None:
+    check = _check(two_workers[0], "two_workers")
+    assert check["killed"]
+    assert len(check["after_kill"]) == 2 and all(np.isfinite(check["after_kill"]))
+    assert check["after_kill"][-1] <= check["losses"][-1] * 1.5
