@@ -13,6 +13,10 @@ Conventions a guide follows (docs/README.md says the same for writers):
 - A python block whose first line is ``# not run: <reason>`` is skipped; the
   reason shows in the rendered page. Only for what needs hardware (a GPU, a TPU) or
   a real cluster.
+- A python block with a file name for title (```` ```python title="train.py" ````)
+  is a file: it is written under that name in the page's working directory before
+  the page's other blocks run (they start it: ``torchrun train.py``, ...), and is
+  not run by itself.
 - A python block that only includes a file (``--8<-- "examples/train_digits.py"``,
   the examples page) is not run here: tests/examples runs those files.
 - A python block whose first line is ``# needs: <module>`` runs only where
@@ -43,6 +47,7 @@ class Block:
     language: str
     code: str
     line: int
+    title: str | None = None
 
     @property
     def first_line(self) -> str:
@@ -87,7 +92,9 @@ def blocks(text: str) -> list[Block]:
             body.append(line[len(indent) :] if line.startswith(indent) else line.lstrip())
             i += 1
         i += 1
-        found.append(Block(language, "\n".join(body) + "\n", start + 1))
+        title = re.search(r'title="([^"]+)"', info)
+        code = "\n".join(body) + "\n"
+        found.append(Block(language, code, start + 1, title.group(1) if title else None))
     return found
 
 

@@ -25,20 +25,24 @@ IDS = [p.stem if p.parent.name == "guide" else p.name for p in PAGES]
 SCRIPT_TIMEOUT = 180
 
 
-def _python_blocks(path: Path) -> list[Block]:
-    runnable = []
+def _files(path: Path) -> list[Block]:
+    """The page's blocks that are files to write (a ``title="name.py"``)."""
+    return [b for b in page_blocks(path) if b.title and b.language in ("python", "py", "bash")]
+
+
+def _python_blocks(path: Path) -> tuple[list[Block], list[str]]:
+    """The page's python blocks to run, and why the others that could run here do not."""
+    runnable, missing = [], []
     for block in page_blocks(path):
-        if block.language not in ("python", "py"):
+        if block.language not in ("python", "py") or block.title:
             continue
         if block.not_run_reason is not None or block.is_include:
             continue
         if block.needs is not None and importlib.util.find_spec(block.needs) is None:
-            pytest.skip(
-                f"{path.name} line {block.line} needs {block.needs}, not installed here "
-                "(it runs where it is: the torch_xla environment)"
-            )
+            missing.append(f"line {block.line} needs {block.needs}")
+            continue
         runnable.append(block)
-    return runnable
+    return runnable, missing
 
 
 def _relative(path: Path) -> str:
@@ -49,17 +53,24 @@ def _relative(path: Path) -> str:
 def test_the_python_blocks_of_the_page_run(
     page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    python = _python_blocks(page)
+    python, missing = _python_blocks(page)
     if not python:
-        pytest.skip(f"{page.name} has no python block to run")
+        pytest.skip(f"{page.name} has no python block to run here ({missing})")
+    for file in _files(page):
+        (tmp_path / file.title).write_text(file.code, encoding="utf-8")  # type: ignore[operator]
     monkeypatch.chdir(tmp_path)  # checkpoints and logs the examples write land here
     if needs_new_interpreter(python):
         _run_as_script(page, python, tmp_path)
-        return
-    namespace: dict[str, object] = {"__name__": f"docs_{page.stem}"}
-    for block in python:
-        code = compile(block.code, f"{_relative(page)}:{block.line}", "exec")
-        exec(code, namespace)
+    else:
+        namespace: dict[str, object] = {"__name__": f"docs_{page.stem}"}
+        for block in python:
+            code = compile(block.code, f"{_relative(page)}:{block.line}", "exec")
+            exec(code, namespace)
+    if missing:
+        pytest.skip(
+            f"{page.name}: the other blocks ran; not installed here, so not run: "
+            f"{'; '.join(missing)} (they run where it is, e.g. the torch_xla environment)"
+        )
 
 
 def _run_as_script(page: Path, python: list[Block], tmp_path: Path) -> None:
