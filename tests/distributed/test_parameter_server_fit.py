@@ -160,3 +160,21 @@ def test_a_worker_killed_during_fit_does_not_lose_the_run(
     assert check["killed"]
     assert len(check["after_kill"]) == 2 and all(np.isfinite(check["after_kill"]))
     assert check["after_kill"][-1] <= check["losses"][-1] * 1.5
+
+
+def test_the_parameter_server_example_exits_without_tensorpipe_warnings() -> None:
+    """The README's parameter-server command: a chief script with 2 workers and 1 ps."""
+    launch = [sys.executable, "-m", "distribute.coordinator.launch", "--workers", "2", "--ps", "1"]
+    script = ["examples/train_digits.py", "--strategy", "parameter_server", "--epochs", "1"]
+    proc = subprocess.run(
+        [*launch, "--", *script],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert '"strategy": "parameter_server"' in proc.stdout
+    noise = [line for line in proc.stderr.splitlines() if any(n in line for n in TENSORPIPE_NOISE)]
+    assert not noise, "\n".join(noise)
