@@ -22,9 +22,10 @@ Conventions a guide follows (docs/README.md says the same for writers):
 - A python block whose first line is ``# needs: <module>`` runs only where
   ``<module>`` imports (torch_xla lives in its own environment); elsewhere the
   test skips it, saying so.
-- A page whose code calls ``launch.run`` or starts a ``LocalCluster`` (it has an
-  ``if __name__ == "__main__":`` guard, as such a script must) runs as a script in
-  a new interpreter; other pages run in the test's process.
+- A page whose code calls ``launch.run`` (it has an ``if __name__ == "__main__":``
+  guard, as such a script must) or builds a ``ParameterServerStrategy`` (rpc is one
+  per process) runs as a script in a new interpreter; other pages run in the test's
+  process.
 - ```` ```bash ```` blocks are commands: every ``examples/...`` or
   ``benchmarks/...`` path they name must exist, and the flags given to
   ``examples/train_digits.py`` must parse. ```` ```yaml ```` and ```` ```json ````
@@ -103,6 +104,8 @@ def page_blocks(path: Path) -> list[Block]:
 
 
 def needs_new_interpreter(python: list[Block]) -> bool:
-    """Whether the page's code starts processes (it runs as a script)."""
+    """Whether the page's code must run as a script: it launches workers with
+    ``launch.run`` (which imports the worker function from ``__main__``), or it is a
+    parameter-server chief (``torch.distributed.rpc`` is one per process)."""
     code = "\n".join(b.code for b in python)
-    return "launch.run(" in code or "LocalCluster(" in code
+    return "launch.run(" in code or re.search(r"(?<!v1\.)ParameterServerStrategy\(", code) is not None
