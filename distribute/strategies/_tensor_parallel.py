@@ -63,7 +63,14 @@ from distribute.strategies._layout import LayoutMap, TensorLayout, resolve_layou
 if TYPE_CHECKING:
     from distribute.collectives.process_group import ProcessGroupCollectives
 
-__all__ = ["GlobalView", "LaidOutModules", "MeshPlan", "Style", "choose_styles"]
+__all__ = [
+    "GlobalView",
+    "LaidOutModules",
+    "MeshPlan",
+    "Style",
+    "choose_styles",
+    "plain_is_replicated",
+]
 
 
 class Style(enum.Enum):
@@ -205,11 +212,10 @@ class GlobalView:
         if depth:
             return None
         from torch.distributed.tensor import DTensor, Replicate
-        from torch.distributed.tensor.experimental import implicit_replication
         from torch.utils._pytree import tree_map_only
 
         stack = contextlib.ExitStack()
-        stack.enter_context(implicit_replication())
+        stack.enter_context(plain_is_replicated())
         if self._cpu:
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -240,6 +246,22 @@ class GlobalView:
         from torch.utils._pytree import tree_map_only
 
         return tree_map_only(DTensor, lambda t: t.full_tensor(), output)
+
+
+@contextlib.contextmanager
+def plain_is_replicated() -> Iterator[None]:
+    """DTensor takes a plain tensor that meets a DTensor as replicated inside the block,
+    and leaves the setting as it found it (torch's ``implicit_replication`` turns it
+    off on the way out, also inside an outer block that had turned it on)."""
+    from torch.distributed.tensor import DTensor
+
+    dispatcher = DTensor._op_dispatcher
+    before = dispatcher._allow_implicit_replication
+    dispatcher._allow_implicit_replication = True
+    try:
+        yield
+    finally:
+        dispatcher._allow_implicit_replication = before
 
 
 def _grad_sums_here(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:

@@ -42,7 +42,7 @@ from distribute.strategies._cluster import (
 from distribute.strategies._devices import parse_device
 from distribute.strategies._layout import DeviceMesh, LayoutMap
 from distribute.strategies._replicated import DEFAULT_TIMEOUT_SECONDS
-from distribute.strategies._tensor_parallel import LaidOutModules, MeshPlan
+from distribute.strategies._tensor_parallel import LaidOutModules, MeshPlan, plain_is_replicated
 from distribute.strategies.base import Strategy, StrategyExtended
 from distribute.values import (
     DistributedValues,
@@ -264,8 +264,17 @@ class _MeshExtended(StrategyExtended):
         args, kwargs = select_replica(0, (tuple(args), kwargs or {}), 1)
         if self._plan.device.type != "cpu":
             args, kwargs = _on_device((args, kwargs), self._plan.device)
-        with context._push(strategy, replica_ctx):
+        with context._push(strategy, replica_ctx), self._plain_is_replicated():
             return fn(*args, **kwargs)
+
+    def _plain_is_replicated(self) -> contextlib.AbstractContextManager[None]:
+        """Inside `run`, a plain tensor that meets a DTensor is taken as replicated
+        (NOTE [model parallel layout]): every worker of a replica holds the same one.
+        Backward passes need it too (autograd runs them under the thread-local state
+        of the ``backward()`` call), which a module's hooks cannot give."""
+        if self._plan.model_mesh is None:
+            return contextlib.nullcontext()
+        return plain_is_replicated()
 
     # -- collectives in replica context -----------------------------------------------
 

@@ -207,10 +207,11 @@ def _parity_run(shape: tuple[int, int], optimizer_name: str, fully_shard: bool) 
     }
 
 
-def _exact_sums(shape: tuple[int, int], fully_shard: bool) -> list[float]:
+def _exact_sums(shape: tuple[int, int], fully_shard: bool) -> list[list[float]]:
     """Replica r's loss makes every gradient element exactly r + 1 (two identity layers,
     column- then row-parallel, on a vector of ones): the sum over B replicas is
-    B(B+1)/2, an average (B+1)/2 (pytorch#162338: gloo's AVG summing silently)."""
+    B(B+1)/2, an average (B+1)/2 (pytorch#162338: gloo's AVG summing silently). Then a
+    second backward pass adds its sum, and two more (one inside no_sync) add theirs."""
     mesh = ds.experimental.DeviceMesh(shape, ("batch", "model"))
     layouts = ds.experimental.LayoutMap(mesh)
     layouts[r"^0\.weight$"] = ("model", None)
@@ -228,8 +229,19 @@ def _exact_sums(shape: tuple[int, int], fully_shard: bool) -> list[float]:
         replica = ds.get_replica_context().replica_id_in_sync_group
         (model(torch.ones(1, 6)) * (replica + 1)).sum().backward()
 
+    def grads() -> list[float]:
+        return sorted({float(v) for p in model.parameters() for v in _whole(p.grad).reshape(-1)})
+
+    seen = []
     strategy.run(step)
-    return sorted({float(v) for p in model.parameters() for v in _whole(p.grad).reshape(-1)})
+    seen.append(grads())
+    strategy.run(step)  # accumulates: the first sum plus the second
+    seen.append(grads())
+    with strategy.extended.no_sync():
+        strategy.run(step)
+    strategy.run(step)  # sums both passes
+    seen.append(grads())
+    return seen
 
 
 def _two_workers() -> dict[str, Any]:
@@ -436,12 +448,12 @@ def test_each_worker_holds_half_of_a_split_variable_and_all_of_an_unmapped_one(
         assert local["types"] == ["DTensor"], local
 
 
-def test_gradients_are_exact_sums_along_the_batch_axis(
+def test_gradients_are_exact_sums_along_the_batch_axis_and_accumulate(
     four_workers: tuple[list[dict[str, Any]], str],
 ) -> None:
     for worker in four_workers[0]:
-        assert worker["sums"] == [3.0], worker["sums"]
-        assert worker["sums_fully_shard"] == [3.0], worker["sums_fully_shard"]
+        assert worker["sums"] == [[3.0], [6.0], [12.0]], worker["sums"]
+        assert worker["sums_fully_shard"] == [[3.0], [6.0], [12.0]], worker["sums_fully_shard"]
 
 
 def test_fully_shard_gives_the_same_numbers_with_less_state_per_worker(
