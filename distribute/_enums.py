@@ -44,6 +44,14 @@ class VariableSynchronization(enum.Enum):
     `AUTO` and `ON_WRITE` give a `MirroredVariable` (copies kept identical on every
     write); `ON_READ` gives a `SyncOnReadVariable` (copies aggregated when read in
     cross-replica context); `NONE` is not supported under a strategy.
+
+    Example:
+        >>> import distribute as ds
+        >>> with ds.MirroredStrategy(["cpu:0", "cpu:1"]).scope():
+        ...     total = ds.Variable(0.0, synchronization=ds.VariableSynchronization.ON_READ,
+        ...                         aggregation=ds.VariableAggregation.SUM)
+        >>> type(total).__name__
+        'SyncOnReadVariable'
     """
 
     AUTO = 0

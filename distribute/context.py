@@ -264,13 +264,33 @@ def get_strategy() -> Strategy:
 
 
 def has_strategy() -> bool:
-    """Whether a non-default strategy is current."""
+    """Whether a non-default strategy is current.
+
+    Example:
+        >>> import distribute as ds
+        >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> ds.has_strategy()
+        False
+        >>> with strategy.scope():
+        ...     ds.has_strategy()
+        True
+    """
     top = _top()
     return top is not None and top.strategy is not _default_strategy()
 
 
 def in_cross_replica_context() -> bool:
-    """Whether the caller is inside a scope but not inside `run` (or inside a merge)."""
+    """Whether the caller is inside a scope but not inside `run` (or inside a merge).
+
+    Example:
+        >>> import distribute as ds
+        >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> with strategy.scope():
+        ...     ds.in_cross_replica_context()
+        True
+        >>> strategy.run(ds.in_cross_replica_context)
+        False
+    """
     top = _top()
     return top is not None and top.replica_context is None
 
@@ -279,6 +299,18 @@ def get_replica_context() -> ReplicaContext | None:
     """The current `ReplicaContext`; `None` in cross-replica context.
 
     Outside any scope, the default replica context (replica 0 of 1).
+
+    Example:
+        >>> import distribute as ds
+        >>> ds.get_replica_context().num_replicas_in_sync   # the default replica context
+        1
+        >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> with strategy.scope():
+        ...     ds.get_replica_context() is None             # cross-replica context
+        True
+        >>> ids = strategy.run(lambda: ds.get_replica_context().replica_id_in_sync_group)
+        >>> strategy.experimental_local_results(ids)
+        (0, 1)
     """
     top = _top()
     if top is None:

@@ -35,7 +35,12 @@ __all__ = [
 
 
 def shard_sizes(rows: int, shards: int) -> list[int]:
-    """Rows per shard by the div rule: the first ``rows % shards`` get one more."""
+    """Rows per shard by the div rule: the first ``rows % shards`` get one more.
+
+    Example:
+        >>> shard_sizes(13, 5)
+        [3, 3, 3, 2, 2]
+    """
     shards = max(1, min(shards, rows)) if rows else 1
     base, extra = divmod(rows, shards)
     return [base + (1 if i < extra else 0) for i in range(shards)]
@@ -48,7 +53,16 @@ def _partition(shape: Sequence[int], shards: int) -> list[int]:
 
 
 class Partitioner:
-    """Base: ``partitioner(shape, dtype)`` -> shards per dimension."""
+    """Base: ``partitioner(shape, dtype)`` -> shards per dimension.
+
+    Example:
+        >>> import torch
+        >>> class Halves(Partitioner):
+        ...     def __call__(self, shape, dtype):
+        ...         return [2, *([1] * (len(shape) - 1))] if shape else []
+        >>> Halves()((10, 4), torch.float32)
+        [2, 1]
+    """
 
     def __call__(self, shape: Sequence[int], dtype: torch.dtype) -> list[int]:
         raise NotImplementedError

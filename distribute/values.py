@@ -88,11 +88,25 @@ def _leaf_equal(a: Any, b: Any) -> bool:
 
 
 class PerReplica(DistributedValues):
-    """Per-replica values that may differ: what `run` returns and batches hold."""
+    """Per-replica values that may differ: what `run` returns and batches hold.
+
+    Example:
+        >>> import distribute as ds, torch
+        >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> batch = ds.PerReplica((torch.ones(2), torch.zeros(3)))  # replica 0's, replica 1's
+        >>> strategy.run(lambda x: x.shape[0], args=(batch,))
+        PerReplica(2, 3)
+    """
 
 
 class Mirrored(DistributedValues):
-    """Per-replica values that are identical on every replica."""
+    """Per-replica values that are identical on every replica.
+
+    Example:
+        >>> import distribute as ds
+        >>> ds.Mirrored((1.0, 1.0)).values
+        (1.0, 1.0)
+    """
 
 
 def _is_namedtuple(x: Any) -> bool:
@@ -146,7 +160,13 @@ def _rebuild(template: Any, children: list[Any]) -> Any:
 
 
 def flatten(structure: Any) -> list[Any]:
-    """Returns the leaves of `structure` in canonical order."""
+    """Returns the leaves of `structure` in canonical order.
+
+    Example:
+        >>> from distribute.values import flatten
+        >>> flatten({"b": [1, 2], "a": (3,)})   # dict keys sorted, as tf.nest does
+        [3, 1, 2]
+    """
     children = _children(structure)
     if children is None:
         return [structure]
@@ -157,7 +177,13 @@ def flatten(structure: Any) -> list[Any]:
 
 
 def pack_sequence_as(structure: Any, leaves: Sequence[Any]) -> Any:
-    """Builds a nest shaped like `structure` from `leaves` (the inverse of `flatten`)."""
+    """Builds a nest shaped like `structure` from `leaves` (the inverse of `flatten`).
+
+    Example:
+        >>> from distribute.values import pack_sequence_as
+        >>> pack_sequence_as({"b": [0, 0], "a": (0,)}, [3, 1, 2])
+        {'b': [1, 2], 'a': (3,)}
+    """
     it = iter(leaves)
 
     def build(node: Any) -> Any:
@@ -198,7 +224,16 @@ def _structure_signature(x: Any) -> Any:
 
 
 def assert_same_structure(a: Any, b: Any, what: str = "structures") -> None:
-    """Raises `InvalidArgumentError` unless `a` and `b` have the same nest structure."""
+    """Raises `InvalidArgumentError` unless `a` and `b` have the same nest structure.
+
+    Example:
+        >>> from distribute.values import assert_same_structure
+        >>> assert_same_structure({"x": 1}, {"x": 2})      # same keys: fine
+        >>> assert_same_structure([1, 2], [1])
+        Traceback (most recent call last):
+        ...
+        distribute.errors.InvalidArgumentError: structures differ: ...
+    """
     if _structure_signature(a) != _structure_signature(b):
         raise InvalidArgumentError(
             f"{what} differ: {_describe(a)} vs {_describe(b)}; every replica must pass "
@@ -212,7 +247,13 @@ def _describe(x: Any) -> str:
 
 
 def map_structure(fn: Callable[..., Any], *structures: Any) -> Any:
-    """Applies `fn` to corresponding leaves of `structures` (all of one structure)."""
+    """Applies `fn` to corresponding leaves of `structures` (all of one structure).
+
+    Example:
+        >>> from distribute.values import map_structure
+        >>> map_structure(lambda a, b: a + b, {"x": 1, "y": [2]}, {"x": 10, "y": [20]})
+        {'x': 11, 'y': [22]}
+    """
     first = structures[0]
     for other in structures[1:]:
         assert_same_structure(first, other)
@@ -226,6 +267,12 @@ def select_replica(replica: int, structure: Any, num_replicas: int | None = None
     Raises:
         InvalidArgumentError: ``num_replicas`` is given and a leaf has another
             number of components.
+
+    Example:
+        >>> import distribute as ds
+        >>> from distribute.values import select_replica
+        >>> select_replica(1, {"x": ds.PerReplica((0, 10)), "lr": 0.1})
+        {'x': 10, 'lr': 0.1}
     """
     if isinstance(structure, DistributedValues):
         values = structure.values
@@ -251,6 +298,13 @@ def regroup(per_replica: Sequence[Any], wrap: type[DistributedValues] = PerRepli
 
     Raises:
         InvalidArgumentError: the replicas returned different structures.
+
+    Example:
+        >>> from distribute.values import regroup
+        >>> shared = object()
+        >>> out = regroup([{"loss": 1.0, "same": shared}, {"loss": 2.0, "same": shared}])
+        >>> out["loss"], out["same"] is shared
+        (PerReplica(1.0, 2.0), True)
     """
     first = per_replica[0]
     if len(per_replica) == 1:

@@ -68,7 +68,15 @@ def _storage_key(tensor: torch.Tensor) -> tuple[object, int]:
 
 
 class DistributedVariable(torch.Tensor):
-    """Base class of `MirroredVariable` and `SyncOnReadVariable`."""
+    """Base class of `MirroredVariable` and `SyncOnReadVariable`.
+
+    Example:
+        >>> import distribute as ds, torch
+        >>> with ds.MirroredStrategy(["cpu:0", "cpu:1"]).scope():
+        ...     layer = torch.nn.Linear(2, 1)
+        >>> isinstance(layer.weight, ds.DistributedVariable), len(layer.weight.values)
+        (True, 2)
+    """
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 

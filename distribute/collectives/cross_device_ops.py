@@ -108,6 +108,13 @@ class ReductionToOneDevice(CrossDeviceOps):
 
     Args:
         reduce_to_device: where the sum is computed.
+
+    Example:
+        >>> import distribute as ds
+        >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"],
+        ...                                cross_device_ops=ds.ReductionToOneDevice())
+        >>> float(strategy.reduce("sum", ds.PerReplica((1.0, 2.0)), axis=None))
+        3.0
     """
 
     def __init__(self, reduce_to_device: str | torch.device | None = None) -> None:

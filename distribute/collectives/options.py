@@ -14,6 +14,12 @@ class CommunicationImplementation(enum.Enum):
     """Which cross-process collective implementation to use.
 
     AUTO: nccl when every replica is a CUDA device, else gloo. RING: gloo. NCCL: nccl.
+
+    Example:
+        >>> import distribute as ds
+        >>> ring = ds.experimental.CommunicationImplementation.RING
+        >>> ds.experimental.CommunicationOptions(implementation=ring).implementation.value
+        'RING'
     """
 
     AUTO = "AUTO"

@@ -29,6 +29,16 @@ class InputReplicationMode(enum.Enum):
 
     ``PER_WORKER``: one per worker, its batches split over the local replicas.
     ``PER_REPLICA``: one per replica, each yielding that replica's batches.
+
+    Example:
+        >>> import distribute as ds, torch
+        >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> per_replica = ds.InputReplicationMode.PER_REPLICA
+        >>> options = ds.InputOptions(experimental_replication_mode=per_replica)
+        >>> dist = strategy.distribute_datasets_from_function(
+        ...     lambda ctx: [torch.full((2,), ctx.input_pipeline_id)], options)
+        >>> [t.tolist() for t in next(iter(dist)).values]   # each replica's own pipeline
+        [[0, 0], [1, 1]]
     """
 
     PER_WORKER = "PER_WORKER"
@@ -44,6 +54,11 @@ class AutoShardPolicy(enum.Enum):
     when the dataset has files enough for every worker, else DATA. ``OFF``:
     every worker reads all the data (a replica still gets 1/N of each global
     batch, so every worker takes ``num_workers`` times as many steps per epoch).
+
+    Example:
+        >>> import distribute as ds
+        >>> ds.InputOptions(auto_shard_policy=ds.AutoShardPolicy.DATA).auto_shard_policy
+        <AutoShardPolicy.DATA: 'DATA'>
     """
 
     AUTO = "AUTO"
