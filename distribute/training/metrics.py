@@ -59,6 +59,16 @@ class Metric:
 
     Args:
         name: the name logs use.
+
+    Example:
+        >>> import distribute as ds, torch
+        >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> with strategy.scope():
+        ...     mean = ds.metrics.Mean("mean")
+        >>> batch = ds.PerReplica((torch.tensor([1.0, 2.0]), torch.tensor([6.0])))
+        >>> _ = strategy.run(mean.update_state, args=(batch,))
+        >>> mean.result()   # over every replica: (1 + 2 + 6) / 3
+        3.0
     """
 
     size = 2
@@ -140,7 +150,17 @@ def _weights(sample_weight: torch.Tensor | None, n: int, device: torch.device) -
 
 
 class MeanMetricWrapper(Metric):
-    """The weighted mean of ``fn(y_true, y_pred)``, one value per example."""
+    """The weighted mean of ``fn(y_true, y_pred)``, one value per example.
+
+    Example:
+        >>> import distribute as ds, torch
+        >>> worst = lambda y_true, y_pred: (y_true - y_pred).abs().flatten(1).amax(1)
+        >>> metric = ds.metrics.MeanMetricWrapper(worst, "max_error")
+        >>> y_true, y_pred = torch.zeros(2, 2), torch.eye(2) * 2
+        >>> _ = ds.get_strategy().run(metric.update_state, args=(y_true, y_pred))
+        >>> metric.result()
+        2.0
+    """
 
     def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], name: str) -> None:
         super().__init__(name)
@@ -156,7 +176,15 @@ class MeanMetricWrapper(Metric):
 
 
 class Mean(Metric):
-    """The weighted mean of the values given (``update_state(values)``)."""
+    """The weighted mean of the values given (``update_state(values)``).
+
+    Example:
+        >>> import distribute as ds, torch
+        >>> mean = ds.metrics.Mean("mean")
+        >>> _ = ds.get_strategy().run(mean.update_state, args=(torch.tensor([1.0, 2.0, 6.0]),))
+        >>> mean.result()
+        3.0
+    """
 
     def update_state(  # type: ignore[override]  # Keras's signature: values, weights
         self, values: Any, sample_weight: torch.Tensor | None = None
@@ -180,21 +208,48 @@ def _binary_correct(y_true: torch.Tensor, y_pred: torch.Tensor, threshold: float
 
 
 class SparseCategoricalAccuracy(MeanMetricWrapper):
-    """How often the largest score's index equals the integer label."""
+    """How often the largest score's index equals the integer label.
+
+    Example:
+        >>> import distribute as ds, torch
+        >>> metric = ds.metrics.SparseCategoricalAccuracy()
+        >>> scores = torch.tensor([[0.9, 0.1], [0.8, 0.2]])
+        >>> _ = ds.get_strategy().run(metric.update_state, args=(torch.tensor([0, 1]), scores))
+        >>> metric.result()
+        0.5
+    """
 
     def __init__(self, name: str = "sparse_categorical_accuracy") -> None:
         super().__init__(_sparse_correct, name)
 
 
 class CategoricalAccuracy(MeanMetricWrapper):
-    """How often the largest score's index equals the one-hot label's."""
+    """How often the largest score's index equals the one-hot label's.
+
+    Example:
+        >>> import distribute as ds, torch
+        >>> metric = ds.metrics.CategoricalAccuracy()
+        >>> labels, scores = torch.eye(2), torch.tensor([[0.9, 0.1], [0.8, 0.2]])
+        >>> _ = ds.get_strategy().run(metric.update_state, args=(labels, scores))
+        >>> metric.result()
+        0.5
+    """
 
     def __init__(self, name: str = "categorical_accuracy") -> None:
         super().__init__(_categorical_correct, name)
 
 
 class BinaryAccuracy(MeanMetricWrapper):
-    """How often ``y_pred > threshold`` equals the 0/1 label."""
+    """How often ``y_pred > threshold`` equals the 0/1 label.
+
+    Example:
+        >>> import distribute as ds, torch
+        >>> metric = ds.metrics.BinaryAccuracy()
+        >>> labels, scores = torch.tensor([[1.0], [0.0]]), torch.tensor([[0.7], [0.6]])
+        >>> _ = ds.get_strategy().run(metric.update_state, args=(labels, scores))
+        >>> metric.result()
+        0.5
+    """
 
     def __init__(self, name: str = "binary_accuracy", threshold: float = 0.5) -> None:
         super().__init__(lambda t, p: _binary_correct(t, p, threshold), name)
@@ -204,7 +259,16 @@ class Accuracy(MeanMetricWrapper):
     """Keras's ``"accuracy"``: sparse categorical, categorical or binary accuracy,
     chosen from the shapes of each batch (integer labels with one dimension fewer
     than the scores: sparse; scores with one column or the labels' shape and 0/1
-    labels: binary; else categorical)."""
+    labels: binary; else categorical).
+
+    Example:
+        >>> import distribute as ds, torch
+        >>> metric = ds.metrics.Accuracy()
+        >>> scores = torch.tensor([[0.9, 0.1], [0.2, 0.8]])
+        >>> _ = ds.get_strategy().run(metric.update_state, args=(torch.tensor([0, 1]), scores))
+        >>> metric.result()   # integer labels: sparse categorical accuracy
+        1.0
+    """
 
     def __init__(self, name: str = "accuracy") -> None:
         super().__init__(_any_accuracy, name)
@@ -219,14 +283,32 @@ def _any_accuracy(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
 
 
 class MeanSquaredError(MeanMetricWrapper):
-    """The mean of ``(y_true - y_pred) ** 2``."""
+    """The mean of ``(y_true - y_pred) ** 2``.
+
+    Example:
+        >>> import distribute as ds, torch
+        >>> metric = ds.metrics.MeanSquaredError()
+        >>> y_true, y_pred = torch.tensor([[1.0], [2.0]]), torch.tensor([[1.0], [4.0]])
+        >>> _ = ds.get_strategy().run(metric.update_state, args=(y_true, y_pred))
+        >>> metric.result()
+        2.0
+    """
 
     def __init__(self, name: str = "mean_squared_error") -> None:
         super().__init__(lambda t, p: (p.double() - t.reshape(p.shape).double()).square(), name)
 
 
 class MeanAbsoluteError(MeanMetricWrapper):
-    """The mean of ``|y_true - y_pred|``."""
+    """The mean of ``|y_true - y_pred|``.
+
+    Example:
+        >>> import distribute as ds, torch
+        >>> metric = ds.metrics.MeanAbsoluteError()
+        >>> y_true, y_pred = torch.tensor([[1.0], [2.0]]), torch.tensor([[1.0], [4.0]])
+        >>> _ = ds.get_strategy().run(metric.update_state, args=(y_true, y_pred))
+        >>> metric.result()
+        1.0
+    """
 
     def __init__(self, name: str = "mean_absolute_error") -> None:
         super().__init__(lambda t, p: (p.double() - t.reshape(p.shape).double()).abs(), name)
@@ -237,6 +319,14 @@ class AUC(Metric):
     ``num_thresholds`` thresholds (Keras's interpolation: the trapezoid rule).
 
     The histogram's counts are sums, so the area is exact over replicas and workers.
+
+    Example:
+        >>> import distribute as ds, torch
+        >>> auc = ds.metrics.AUC()
+        >>> labels, scores = torch.tensor([0.0, 0.0, 1.0, 1.0]), torch.tensor([0.1, 0.4, 0.35, 0.8])
+        >>> _ = ds.get_strategy().run(auc.update_state, args=(labels, scores))
+        >>> auc.result()
+        0.75
     """
 
     def __init__(self, name: str = "auc", num_thresholds: int = 200) -> None:
@@ -279,6 +369,14 @@ class TorchMetric(Metric):
     result merges the copies (``merge_state``) and computes, which torchmetrics
     synchronizes across worker processes through ``torch.distributed`` (every worker
     reads the result at the same point, as `fit` does).
+
+    Example:
+        >>> import distribute as ds, torch, torchmetrics
+        >>> metric = ds.metrics.TorchMetric(torchmetrics.MeanSquaredError(), "mse")
+        >>> y_true, y_pred = torch.tensor([1.0, 2.0]), torch.tensor([1.0, 4.0])
+        >>> _ = ds.get_strategy().run(metric.update_state, args=(y_true, y_pred))
+        >>> metric.result()
+        2.0
     """
 
     def __init__(self, metric: Any, name: str | None = None) -> None:
@@ -363,6 +461,12 @@ def get(identifier: Any) -> Metric:
     ``(y_true, y_pred)`` giving one value per example.
 
     Build it inside the strategy's scope (``Model.compile`` does).
+
+    Example:
+        >>> import distribute as ds
+        >>> metric = ds.metrics.get("mae")
+        >>> type(metric).__name__, metric.name
+        ('MeanAbsoluteError', 'mae')
     """
     if isinstance(identifier, Metric):
         return identifier
