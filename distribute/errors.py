@@ -28,36 +28,113 @@ __all__ = [
 
 
 class DistributeError(Exception):
-    """Base class of every exception raised by `distribute`."""
+    """Base class of every exception raised by `distribute`.
+
+    Example:
+        >>> import distribute as ds
+        >>> issubclass(ds.errors.CollectiveTimeoutError, ds.errors.DistributeError)
+        True
+    """
 
 
 class InvalidArgumentError(DistributeError, ValueError):
-    """An argument has the wrong value, type, shape or structure."""
+    """An argument has the wrong value, type, shape or structure.
+
+    Example:
+        >>> import distribute as ds
+        >>> ds.MirroredStrategy(["cuda:0"])  # on a machine without CUDA
+        Traceback (most recent call last):
+        ...
+        distribute.errors.InvalidArgumentError: device 'cuda:0' (cuda:0) does not exist ...
+    """
 
 
 class ContextError(DistributeError, RuntimeError):
-    """A call was made in the wrong context (replica vs cross-replica)."""
+    """A call was made in the wrong context (replica vs cross-replica).
+
+    Example:
+        >>> import distribute as ds
+        >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> strategy.run(lambda: strategy.reduce("sum", 1.0, axis=None))
+        Traceback (most recent call last):
+        ...
+        distribute.errors.ContextError: `reduce` may only be called in cross-replica context, ...
+    """
 
 
 class MixedStrategyError(ContextError):
-    """A strategy's scope was entered inside a different strategy's scope."""
+    """A strategy's scope was entered inside a different strategy's scope.
+
+    Example:
+        >>> import distribute as ds
+        >>> with ds.OneDeviceStrategy("cpu").scope():
+        ...     with ds.MirroredStrategy(["cpu:0", "cpu:1"]).scope():
+        ...         pass
+        Traceback (most recent call last):
+        ...
+        distribute.errors.MixedStrategyError: Mixing different distribute strategies: ...
+    """
 
 
 class CollectiveTimeoutError(DistributeError, TimeoutError):
-    """A collective did not complete in time; the message names the missing ranks."""
+    """A collective did not complete in time; the message names the missing ranks.
+
+    Example::
+
+        try:
+            loss = strategy.reduce("sum", strategy.run(step, args=(batch,)), axis=None)
+        except ds.errors.CollectiveTimeoutError as error:
+            print(error)   # which operation, which ranks never joined, and the timeout
+            raise
+    """
 
 
 class CollectiveMismatchError(DistributeError, ValueError):
-    """Participants of a collective passed values of different shape, dtype or structure."""
+    """Participants of a collective passed values of different shape, dtype or structure.
+
+    Example:
+        >>> import distribute as ds, torch
+        >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> uneven = ds.PerReplica((torch.ones(2), torch.ones(3)))
+        >>> strategy.run(lambda x: ds.get_replica_context().all_reduce("sum", x), args=(uneven,))
+        Traceback (most recent call last):
+        ...
+        distribute.errors.CollectiveMismatchError: all_reduce: replica 0 passed [float32[2]] ...
+    """
 
 
 class RendezvousError(DistributeError, ConnectionError):
-    """The rendezvous store cannot be served (its port is taken) or was lost."""
+    """The rendezvous store cannot be served (its port is taken) or was lost.
+
+    Example::
+
+        # MASTER_PORT taken by another program on the chief's host:
+        strategy = ds.MultiWorkerMirroredStrategy()
+        # RendezvousError: rank 0 could not serve the rendezvous at host0:29500: the port
+        # is already in use by another program (...); pick a free port for MASTER_PORT
+    """
 
 
 class ReplicaAbortedError(DistributeError, RuntimeError):
-    """A replica was released from a collective because another replica failed."""
+    """A replica was released from a collective because another replica failed.
+
+    Example::
+
+        try:
+            strategy.run(step, args=(batch,))
+        except ds.errors.ReplicaAbortedError as error:
+            first = error.__cause__   # the failing replica's own exception
+    """
 
 
 class WorkerError(DistributeError, RuntimeError):
-    """A worker process failed; the message names its rank and carries its traceback."""
+    """A worker process failed; the message names its rank and carries its traceback.
+
+    Example::
+
+        def work():
+            raise RuntimeError("boom")
+
+        ds.launch.run(work, 2, timeout=60)
+        # WorkerError: worker rank 0 raised RuntimeError: boom, then its traceback
+    """
