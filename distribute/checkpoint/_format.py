@@ -81,7 +81,15 @@ Skeleton = Any
 
 
 class CheckpointError(InvalidArgumentError):
-    """A checkpoint that cannot be read: missing, truncated, corrupt or foreign."""
+    """A checkpoint that cannot be read: missing, truncated, corrupt or foreign.
+
+    Example:
+        >>> import distribute as ds, torch
+        >>> ds.Checkpoint(model=torch.nn.Linear(1, 1)).restore("/nonexistent/ckpt-1")
+        Traceback (most recent call last):
+        ...
+        distribute.checkpoint._format.CheckpointError: ...
+    """
 
 
 def dtype_name(dtype: torch.dtype) -> str:

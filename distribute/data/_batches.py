@@ -35,6 +35,15 @@ class TensorSpec:
 
     ``None`` in ``shape`` marks a dimension that can vary (the batch dimension
     when partial batches are possible).
+
+    Example:
+        >>> import distribute as ds, torch
+        >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> data = torch.utils.data.TensorDataset(torch.ones(6, 3), torch.zeros(6))
+        >>> loader = torch.utils.data.DataLoader(data, batch_size=4)
+        >>> features, labels = strategy.experimental_distribute_dataset(loader).element_spec
+        >>> features
+        TensorSpec(shape=(None, 3), dtype=torch.float32)
     """
 
     shape: tuple[int | None, ...]

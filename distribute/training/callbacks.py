@@ -43,7 +43,24 @@ __all__ = [
 
 class Callback:
     """Base class: override the hooks you need. ``self.model`` and ``self.params``
-    (epochs, steps) are set before training starts."""
+    (epochs, steps) are set before training starts.
+
+    Example:
+        >>> import numpy as np, torch, distribute as ds
+        >>> class Losses(ds.callbacks.Callback):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.seen = []
+        ...     def on_epoch_end(self, epoch, logs=None):
+        ...         self.seen.append((epoch, round(logs["loss"], 3)))
+        >>> model = ds.Model(torch.nn.Linear(1, 1))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> losses = Losses()
+        >>> x, y = np.ones((4, 1)), np.zeros((4, 1))
+        >>> _ = model.fit(x, y, epochs=2, verbose=0, callbacks=[losses])
+        >>> [epoch for epoch, _ in losses.seen]
+        [0, 1]
+    """
 
     def __init__(self) -> None:
         self.model: Model | None = None
@@ -72,7 +89,16 @@ class Callback:
 
 
 class CallbackList:
-    """Calls every callback's hook in order."""
+    """Calls every callback's hook in order.
+
+    Example:
+        >>> import distribute as ds
+        >>> stop = ds.callbacks.EarlyStopping(monitor="loss")
+        >>> hooks = ds.callbacks.CallbackList([stop], model=None, params={"epochs": 3})
+        >>> hooks.on_train_begin({})   # calls stop.on_train_begin({})
+        >>> stop.params
+        {'epochs': 3}
+    """
 
     def __init__(self, callbacks: Sequence[Callback], model: Model, params: dict[str, Any]) -> None:
         self.callbacks = list(callbacks)
