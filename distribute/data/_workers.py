@@ -31,6 +31,13 @@ class InputWorkers:
       gather_across_workers: every worker's bytes, in worker order (an
         all-gather across processes); used only when a worker without any data
         needs the others' element structure.
+
+    Example:
+        >>> import distribute as ds, torch
+        >>> cpus = (torch.device("cpu"),) * 2
+        >>> workers = ds.data.InputWorkers(cpus, worker_index=1, num_workers=2)
+        >>> len(workers.devices), workers.worker_index, workers.sum_across_workers(3)
+        (2, 1, 3)
     """
 
     devices: tuple[torch.device, ...]

@@ -74,6 +74,13 @@ class StepHandler(Protocol):
     local id, and with this strategy's variables among the optimizer's
     parameters (never empty; the hooks have already refused plain parameters and
     other strategies' variables where those would give wrong numbers).
+
+    Example::
+
+        class SumThenStep:             # a new strategy's handler (see synchronous.py)
+            def sum_gradients(self, optimizer, variables, local):
+                ...                    # every replica's .grad becomes the sum
+            # ... and the Protocol's other methods, each called in every replica's thread
     """
 
     def sum_gradients(
@@ -122,6 +129,13 @@ class GradientSum(Protocol):
     After `sum(local)` each local replica's ``.grad`` of every variable is the sum
     over all replicas; a variable that no replica has a gradient for keeps
     ``grad = None``.
+
+    Example::
+
+        class LocalOnly:               # one process, replicas summed by hand
+            def __init__(self, variables): self.variables = variables
+            def sum(self, local): ...  # every local replica calls it; sum into .grad
+            def close(self): ...       # release buffers when the optimizer goes away
     """
 
     def sum(self, local: int) -> None:
