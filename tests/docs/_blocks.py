@@ -108,4 +108,5 @@ def needs_new_interpreter(python: list[Block]) -> bool:
     ``launch.run`` (which imports the worker function from ``__main__``), or it is a
     parameter-server chief (``torch.distributed.rpc`` is one per process)."""
     code = "\n".join(b.code for b in python)
-    return "launch.run(" in code or re.search(r"(?<!v1\.)ParameterServerStrategy\(", code) is not None
+    chief = re.search(r"(?<!v1\.)ParameterServerStrategy\(", code) is not None
+    return "launch.run(" in code or chief

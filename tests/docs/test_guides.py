@@ -30,7 +30,11 @@ def _starts_processes(page: Path) -> bool:
     return "launch.run(" in code or "LocalCluster(" in code or "subprocess" in code
 
 
-#: Pages whose code starts worker processes carry the suite's ``distributed`` mark.
+#: Pages whose code starts worker processes carry the suite's ``distributed`` mark and run
+#: only with ``DISTRIBUTE_DOCS_PROCESSES=1`` (.ci/run's docs step sets it): together they
+#: take about two minutes on 2 cores (interpreters importing torch, ParameterServerStrategy's
+#: start-up), which the default suite, already near its 10 minutes, cannot spend.
+PROCESSES_VARIABLE = "DISTRIBUTE_DOCS_PROCESSES"
 PARAMS = [
     pytest.param(p, id=i, marks=[pytest.mark.distributed] if _starts_processes(p) else [])
     for p, i in zip(PAGES, IDS)
@@ -66,6 +70,11 @@ def test_the_python_blocks_of_the_page_run(
     page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     python, missing = _python_blocks(page)
+    if _starts_processes(page) and os.environ.get(PROCESSES_VARIABLE) != "1":
+        pytest.skip(
+            f"{page.name} starts worker processes: it runs in .ci/run's docs step, or here "
+            f"with {PROCESSES_VARIABLE}=1"
+        )
     if not python:
         pytest.skip(f"{page.name} has no python block to run here ({missing})")
     for file in _files(page):
