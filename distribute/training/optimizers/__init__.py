@@ -4,7 +4,11 @@
 the two differ (Keras adds epsilon before the bias correction, torch after; Keras's
 RMSprop and Adagrad put epsilon inside the square root; Keras's SGD momentum holds
 the learning rate), and a Keras name promises Keras's numbers. A torch optimizer
-object (or a function making one) passed to ``compile`` keeps torch's rule.
+object (or a function making one) passed to ``compile`` keeps torch's rule. Each
+computes as Keras does, in the variable's dtype (NOTE [Keras's arithmetic, in the
+variable's dtype] in ``_base``): given the same gradients, float32 updates on a CPU
+match TensorFlow's Keras bit for bit, up to torch's own rounding of a square root or
+a sum in the last place.
 
 Every class is an ordinary ``torch.optim.Optimizer``: use it in a custom loop
 inside ``strategy.run``, with ``torch.optim.lr_scheduler`` or

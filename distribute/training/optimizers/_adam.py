@@ -7,14 +7,21 @@ the clipping, weight decay and step counting (NOTE [Keras's step, in torch]).
 
 from __future__ import annotations
 
-import math
+import functools
 from typing import Any
 
 import torch
 from torch.optim.optimizer import ParamsT
 
 from distribute.errors import InvalidArgumentError
-from distribute.training.optimizers._base import KerasOptimizer, resolve_lr, slot
+from distribute.training.optimizers._base import (
+    KerasOptimizer,
+    Scalars,
+    cast,
+    resolve_lr,
+    scalar_sqrt,
+    slot,
+)
 
 __all__ = ["Adafactor", "Adam", "AdamW", "Adamax", "Lion", "Nadam"]
 
@@ -78,24 +85,35 @@ class Adam(KerasOptimizer):
         }
         super().__init__(params, defaults)
 
+    def _scalars(
+        self, group: dict[str, Any], t: torch.Tensor, lr: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        dtype = t.dtype
+        beta_1_power = torch.pow(cast(group["beta_1"], dtype), t)
+        beta_2_power = torch.pow(cast(group["beta_2"], dtype), t)
+        return {
+            "alpha": lr * scalar_sqrt(1 - beta_2_power) / (1 - beta_1_power),
+            "1 - beta_1": cast(1 - group["beta_1"], dtype),  # Python's, as Keras's
+            "1 - beta_2": cast(1 - group["beta_2"], dtype),
+            "epsilon": cast(group["epsilon"], dtype),
+        }
+
     def _update(
         self,
         p: torch.Tensor,
         grad: torch.Tensor,
         state: dict[str, Any],
         group: dict[str, Any],
-        step: int,
+        s: Scalars,
     ) -> None:
-        beta_1, beta_2 = group["beta_1"], group["beta_2"]
-        alpha = group["lr"] * math.sqrt(1 - beta_2**step) / (1 - beta_1**step)
         m, v = slot(state, "momentum", p), slot(state, "velocity", p)
-        m.add_((grad - m).mul_(1 - beta_1))
-        v.add_((grad.square() - v).mul_(1 - beta_2))
+        m.add_((grad - m).mul_(s["1 - beta_1"]))
+        v.add_((grad.square() - v).mul_(s["1 - beta_2"]))
         if group["amsgrad"]:
             v_hat = slot(state, "velocity_hat", p)
             torch.maximum(v_hat, v, out=v_hat)
             v = v_hat
-        p.sub_((m * alpha).div_(v.sqrt().add_(group["epsilon"])))
+        p.sub_((m * s["alpha"]).div_(v.sqrt().add_(s["epsilon"])))
 
 
 class AdamW(Adam):
@@ -212,19 +230,30 @@ class Adamax(KerasOptimizer):
         }
         super().__init__(params, defaults)
 
+    def _scalars(
+        self, group: dict[str, Any], t: torch.Tensor, lr: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        dtype = t.dtype
+        beta_1_power = torch.pow(cast(group["beta_1"], dtype), t)
+        return {
+            "1 - beta_1_power": 1 - beta_1_power,
+            "1 - beta_1": cast(1 - group["beta_1"], dtype),  # Python's, as Keras's
+            "beta_2": cast(group["beta_2"], dtype),
+            "epsilon": cast(group["epsilon"], dtype),
+        }
+
     def _update(
         self,
         p: torch.Tensor,
         grad: torch.Tensor,
         state: dict[str, Any],
         group: dict[str, Any],
-        step: int,
+        s: Scalars,
     ) -> None:
-        beta_1, beta_2 = group["beta_1"], group["beta_2"]
         m, u = slot(state, "momentum", p), slot(state, "norm", p)
-        m.add_((grad - m).mul_(1 - beta_1))
-        torch.maximum(u * beta_2, grad.abs(), out=u)
-        p.sub_((m * group["lr"]).div_((u + group["epsilon"]).mul_(1 - beta_1**step)))
+        m.add_((grad - m).mul_(s["1 - beta_1"]))
+        torch.maximum(u * s["beta_2"], grad.abs(), out=u)
+        p.sub_((m * s["lr"]).div_((u + s["epsilon"]).mul_(s["1 - beta_1_power"])))
 
 
 class Nadam(KerasOptimizer):
@@ -283,11 +312,31 @@ class Nadam(KerasOptimizer):
         self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step: int
     ) -> None:
         # Keras's one `u_product` per optimizer (in the variables' dtype), advanced
-        # once per step before any update: kept per parameter here, with the counter.
+        # once per step before any update: kept per parameter here, with the counter,
+        # as a 0-dim CPU tensor (`load_state_dict` moves it to the parameter's device).
         product = state.get("u_product")
         if product is None:
             product = state["u_product"] = torch.tensor(1.0, dtype=p.dtype)
-        product.mul_(group["beta_1"] * (1.0 - 0.5 * 0.96**step))
+        elif product.device.type != "cpu":
+            product = state["u_product"] = product.cpu()
+        product.fill_(_next_u_product(float(product), group["beta_1"], step, product.dtype))
+
+    def _scalars(
+        self, group: dict[str, Any], t: torch.Tensor, lr: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        dtype = t.dtype
+        decay = cast(0.96, dtype)  # Keras's momentum schedule: u_t = beta_1 * (1 - 0.5 * 0.96**t)
+        beta_1, beta_2 = cast(group["beta_1"], dtype), cast(group["beta_2"], dtype)
+        u_t = beta_1 * (1.0 - 0.5 * torch.pow(decay, t))
+        return {
+            "u_t": u_t,
+            "1 - u_t": 1 - u_t,
+            "u_t_1": beta_1 * (1.0 - 0.5 * torch.pow(decay, t + 1)),
+            "1 - beta_1": 1 - beta_1,  # in the dtype: Keras's beta_1 is a tensor here
+            "1 - beta_2": 1 - beta_2,
+            "1 - beta_2_power": 1 - torch.pow(beta_2, t),
+            "epsilon": cast(group["epsilon"], dtype),
+        }
 
     def _update(
         self,
@@ -295,19 +344,35 @@ class Nadam(KerasOptimizer):
         grad: torch.Tensor,
         state: dict[str, Any],
         group: dict[str, Any],
-        step: int,
+        s: Scalars,
     ) -> None:
-        beta_1, beta_2 = group["beta_1"], group["beta_2"]
-        u_t = beta_1 * (1.0 - 0.5 * 0.96**step)
-        u_t_1 = beta_1 * (1.0 - 0.5 * 0.96 ** (step + 1))
-        u_product_t = float(state["u_product"])
-        u_product_t_1 = u_product_t * u_t_1
+        one_minus_u_product_t, one_minus_u_product_t_1 = _one_minus_u_products(
+            float(state["u_product"]), s["u_t_1"], p.dtype
+        )
         m, v = slot(state, "momentum", p), slot(state, "velocity", p)
-        m.add_((grad - m).mul_(1 - beta_1))
-        v.add_((grad.square() - v).mul_(1 - beta_2))
-        m_hat = (m * u_t_1).div_(1 - u_product_t_1).add_(grad * (1 - u_t) / (1 - u_product_t))
-        v_hat = v / (1 - beta_2**step)
-        p.sub_((m_hat * group["lr"]).div_(v_hat.sqrt_().add_(group["epsilon"])))
+        m.add_((grad - m).mul_(s["1 - beta_1"]))
+        v.add_((grad.square() - v).mul_(s["1 - beta_2"]))
+        m_hat = (m * s["u_t_1"]).div_(one_minus_u_product_t_1)
+        m_hat.add_((grad * s["1 - u_t"]).div_(one_minus_u_product_t))
+        v_hat = v / s["1 - beta_2_power"]
+        p.sub_((m_hat * s["lr"]).div_(v_hat.sqrt_().add_(s["epsilon"])))
+
+
+# Every parameter of a step asks for the same two: memoised (pure functions of numbers).
+@functools.lru_cache(maxsize=256)
+def _next_u_product(u_product: float, beta_1: float, step: int, dtype: torch.dtype) -> float:
+    """Keras's ``u_product * beta_1 * (1.0 - 0.5 * 0.96**t)``, in ``dtype``."""
+    decay = torch.pow(cast(0.96, dtype), cast(step, dtype))
+    return float(cast(u_product, dtype) * cast(beta_1, dtype) * (1.0 - 0.5 * decay))
+
+
+@functools.lru_cache(maxsize=256)
+def _one_minus_u_products(
+    u_product_t: float, u_t_1: float, dtype: torch.dtype
+) -> tuple[float, float]:
+    """Keras's ``1 - u_product_t`` and ``1 - u_product_t * u_t_1``, in ``dtype``."""
+    product = cast(u_product_t, dtype)
+    return float(1 - product), float(1 - product * cast(u_t_1, dtype))
 
 
 class Lion(KerasOptimizer):
@@ -363,18 +428,29 @@ class Lion(KerasOptimizer):
         }
         super().__init__(params, defaults)
 
+    def _scalars(
+        self, group: dict[str, Any], t: torch.Tensor, lr: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        beta_1, beta_2 = cast(group["beta_1"], t.dtype), cast(group["beta_2"], t.dtype)
+        # 1.0 - beta in the dtype: Keras's betas are tensors here.
+        return {
+            "beta_1": beta_1,
+            "1 - beta_1": 1.0 - beta_1,
+            "beta_2": beta_2,
+            "1 - beta_2": 1.0 - beta_2,
+        }
+
     def _update(
         self,
         p: torch.Tensor,
         grad: torch.Tensor,
         state: dict[str, Any],
         group: dict[str, Any],
-        step: int,
+        s: Scalars,
     ) -> None:
-        beta_1, beta_2 = group["beta_1"], group["beta_2"]
         m = slot(state, "momentum", p)
-        p.sub_(((m * beta_1).add_(grad * (1.0 - beta_1))).sign_().mul_(group["lr"]))
-        m.mul_(beta_2).add_(grad * (1.0 - beta_2))
+        p.sub_(((m * s["beta_1"]).add_(grad * s["1 - beta_1"])).sign_().mul_(s["lr"]))
+        m.mul_(s["beta_2"]).add_(grad * s["1 - beta_2"])
 
 
 class Adafactor(KerasOptimizer):
@@ -439,32 +515,44 @@ class Adafactor(KerasOptimizer):
         }
         super().__init__(params, defaults)
 
+    def _scalars(
+        self, group: dict[str, Any], t: torch.Tensor, lr: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        dtype = t.dtype
+        if group["relative_step"]:
+            lr = torch.minimum(lr, 1 / scalar_sqrt(t))
+        beta_2_t = 1 - torch.pow(t, cast(group["beta_2_decay"], dtype))
+        return {
+            "rho_t": torch.minimum(lr, 1 / scalar_sqrt(t)),
+            "beta_2_t": beta_2_t,
+            "1 - beta_2_t": 1 - beta_2_t,
+            "epsilon_1": cast(group["epsilon_1"], dtype),
+            "epsilon_2": cast(group["epsilon_2"], dtype),
+            "clip_threshold": cast(group["clip_threshold"], dtype),
+        }
+
     def _update(
         self,
         p: torch.Tensor,
         grad: torch.Tensor,
         state: dict[str, Any],
         group: dict[str, Any],
-        step: int,
+        s: Scalars,
     ) -> None:
-        lr = group["lr"]
-        if group["relative_step"]:
-            lr = min(lr, 1 / math.sqrt(step))
-        rho_t = min(lr, 1 / math.sqrt(step))
-        alpha_t = torch.clamp(_rms(p), min=group["epsilon_2"]) * rho_t
-        squared = grad.square().add_(group["epsilon_1"])
-        beta_2_t = 1 - float(step) ** group["beta_2_decay"]
+        beta_2_t, one_minus_beta_2_t = s["beta_2_t"], s["1 - beta_2_t"]
+        alpha_t = torch.clamp(_rms(p), min=s["epsilon_2"]) * s["rho_t"]
+        squared = grad.square().add_(s["epsilon_1"])
         v = slot(state, "velocity", p)
         if p.dim() >= 2:
             r = _factor(state, "r", p.shape[:-1], p)
             c = _factor(state, "c", (*p.shape[:-2], p.shape[-1]), p)
-            r.mul_(beta_2_t).add_(squared.mean(dim=-1) * (1 - beta_2_t))
-            c.mul_(beta_2_t).add_(squared.mean(dim=-2) * (1 - beta_2_t))
+            r.mul_(beta_2_t).add_(squared.mean(dim=-1).mul_(one_minus_beta_2_t))
+            c.mul_(beta_2_t).add_(squared.mean(dim=-2).mul_(one_minus_beta_2_t))
             v.copy_((r / r.mean(dim=-1, keepdim=True)).unsqueeze(-1) * c.unsqueeze(-2))
         else:
-            v.mul_(beta_2_t).add_(squared * (1 - beta_2_t))
+            v.mul_(beta_2_t).add_(squared.mul_(one_minus_beta_2_t))
         u_t = grad / v.sqrt()
-        u_t_hat = u_t / torch.clamp(_rms(u_t) / group["clip_threshold"], min=1.0)
+        u_t_hat = u_t / torch.clamp(_rms(u_t) / s["clip_threshold"], min=1.0)
         p.sub_(u_t_hat * alpha_t)
 
 

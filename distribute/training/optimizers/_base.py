@@ -18,10 +18,43 @@ them. Every hyperparameter lives in the param groups (``lr`` under torch's name,
 so `LearningRateScheduler` and ``torch.optim.lr_scheduler`` work), and state
 tensors are created when a parameter first needs them, so ``state_dict`` and
 ``load_state_dict`` round-trip as for any torch optimizer.
+
+# NOTE [Keras's arithmetic, in the variable's dtype]
+Keras computes an update's scalars as tensors of the variable's dtype: the
+learning rate (a float32 variable, Keras's ``floatx``) cast to it, the step
+``iterations + 1`` cast to it, ``ops.power(ops.cast(beta_1, dtype), step)``
+in it, and a Python number meeting a tensor in an op becomes a tensor of that
+tensor's dtype. The same formulas in Python floats (float64) give other
+numbers: in float32, ``1 - 0.999**t`` differs from float64's rounded for every
+``t`` from 1 to 5,000, so Adam's steps drift from Keras's over a ``fit``.
+
+Here each optimizer's `_scalars` computes them the Keras way, once per param
+group, step count and dtype, as 0-dim CPU tensors of the variable's dtype
+(torch's CPU ``pow`` of two such numbers is C's ``powf``, as TensorFlow's is; their
+square roots are `scalar_sqrt`'s, correctly rounded as TensorFlow's),
+and `_update` gets them as Python floats holding exactly those values. A
+float32 tensor times such a number is the float32 product Keras computes, with
+no tensor crossing devices and no synchronisation. Every number `_update` uses
+comes from there, rounded to the dtype: torch keeps a Python number in float32
+in a half tensor's op where Keras rounds it to half first. Which scalars Keras
+computes in the dtype (``1 - beta_1`` with ``beta_1`` a dtype tensor, in Nadam
+and Lion) and which it computes in Python before converting (``1 - self.beta_1``
+in Adam) differs between optimizers; each `_scalars` follows its own.
+
+What still differs from TensorFlow's Keras, in the last place: torch's kernels.
+On an x86 CPU torch's ``sqrt`` of a float32 tensor is MKL's, one unit off the
+correctly rounded root (TensorFlow's) for about one element in six; a correctly
+rounded one, through float64, made the update several times slower. Reductions
+(norms, Adafactor's means) sum in another order, tensor powers (Ftrl's) round
+otherwise, TensorFlow flushes subnormal numbers to zero, and on CUDA torch
+divides by a Python number as a multiplication by its reciprocal. The figures
+against TensorFlow 2.21: ``benchmarks/bench_keras_optimizers.py``.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -31,6 +64,9 @@ from torch.optim.optimizer import ParamsT
 from distribute.errors import InvalidArgumentError
 
 __all__ = ["KerasOptimizer"]
+
+#: This step's scalars of one param group in one dtype, by name (`_scalars`).
+Scalars = dict[str, float]
 
 #: The constructor arguments of Keras's base optimizer that change numbers.
 BASE_DEFAULTS: dict[str, Any] = {
@@ -54,6 +90,26 @@ def resolve_lr(lr: float | None, learning_rate: float | None, default: float) ->
     return float(value)
 
 
+def cast(value: float, dtype: torch.dtype) -> torch.Tensor:
+    """A Python number as Keras puts it in an op with a tensor of ``dtype``
+    (``ops.cast(value, dtype)``): a 0-dim CPU tensor of that dtype."""
+    return torch.tensor(value, dtype=dtype)
+
+
+def scalar_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """``sqrt`` of a 0-dim tensor, correctly rounded as TensorFlow's (and C's
+    ``sqrt``) in any dtype: torch's CPU kernel (MKL's on x86) is one unit in the
+    last place off for about one value in five, even for one number."""
+    value = float(x)
+    return cast(math.sqrt(value) if value >= 0 else math.nan, x.dtype)
+
+
+def keras_lr(lr: float, dtype: torch.dtype) -> torch.Tensor:
+    """Keras's ``ops.cast(learning_rate, variable.dtype)``: the rate is a float32
+    variable (``floatx``), so a float64 variable sees it rounded to float32."""
+    return torch.tensor(lr, dtype=torch.float32).to(dtype)
+
+
 def _check_clipping(group: dict[str, Any]) -> None:
     names = ("clipnorm", "clipvalue", "global_clipnorm")
     given = {n: group.get(n) for n in names if group.get(n) is not None}
@@ -67,8 +123,9 @@ def _check_clipping(group: dict[str, Any]) -> None:
 class KerasOptimizer(torch.optim.Optimizer):
     """A torch optimizer with Keras 3's step: clip, decay, update, count.
 
-    Subclasses give their defaults and `_update` (Keras's ``update_step`` for one
-    parameter); see NOTE [Keras's step, in torch]. Any subclass works wherever a
+    Subclasses give their defaults, `_scalars` (the step's numbers, NOTE [Keras's
+    arithmetic, in the variable's dtype]) and `_update` (Keras's ``update_step`` for
+    one parameter); see NOTE [Keras's step, in torch]. Any subclass works wherever a
     ``torch.optim`` optimizer does: inside ``strategy.run``, with learning-rate
     schedulers, in checkpoints.
 
@@ -94,15 +151,34 @@ class KerasOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             _check_clipping(group)
 
+    def _scalars(
+        self, group: dict[str, Any], t: torch.Tensor, lr: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """This step's scalars for `_update`, computed as Keras computes them (NOTE
+        [Keras's arithmetic, in the variable's dtype]).
+
+        Args:
+            group: the param group.
+            t: the step count ``iterations + 1``, a 0-dim CPU tensor of the
+                variables' dtype.
+            lr: the learning rate as Keras casts it (`keras_lr`), same dtype.
+
+        Returns:
+            Name to value: 0-dim tensors of ``t``'s dtype (Python numbers are
+            rounded to it).
+        """
+        return {}
+
     def _update(
         self,
         p: torch.Tensor,
         grad: torch.Tensor,
         state: dict[str, Any],
         group: dict[str, Any],
-        step: int,
+        s: Scalars,
     ) -> None:
-        """Keras's ``update_step``: updates ``p`` in place with this step's ``grad``."""
+        """Keras's ``update_step``: updates ``p`` in place with this step's ``grad``
+        (in ``p``'s dtype) and scalars ``s`` (`_scalars`, with ``"lr"``)."""
         raise NotImplementedError
 
     def _advance(
@@ -110,6 +186,14 @@ class KerasOptimizer(torch.optim.Optimizer):
     ) -> None:
         """Per-step bookkeeping done whether or not ``p`` has a gradient (Nadam's
         ``u_product``); nothing by default."""
+
+    def _step_scalars(self, group: dict[str, Any], step: int, dtype: torch.dtype) -> Scalars:
+        """`_scalars` with the learning rate and weight decay, as Python floats."""
+        lr = keras_lr(group["lr"], dtype)
+        values = {"lr": lr, **self._scalars(group, cast(step, dtype), lr)}
+        if group["weight_decay"] is not None:
+            values["weight_decay"] = cast(group["weight_decay"], dtype)
+        return {name: float(value) for name, value in values.items()}
 
     @overload
     def step(self, closure: None = None) -> None: ...
@@ -143,22 +227,26 @@ class KerasOptimizer(torch.optim.Optimizer):
                 state["step"] += 1
                 self._advance(p, state, group, int(state["step"]))
                 if p.grad is not None:
-                    grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
-                    pairs.append((p, grad.to(p.dtype)))
+                    pairs.append((p, p.grad.to_dense() if p.grad.is_sparse else p.grad))
             work.append((group, pairs))
         _clip(work)
         for group, pairs in work:
-            lr, decay = group["lr"], group["weight_decay"]
+            scalars: dict[tuple[int, torch.dtype], Scalars] = {}
             for p, grad in pairs:
-                if decay is not None:
-                    p.sub_(p * decay * lr)
                 state = self.state[p]
-                self._update(p, grad, state, group, int(state["step"]))
+                key = (int(state["step"]), p.dtype)
+                if key not in scalars:
+                    scalars[key] = self._step_scalars(group, *key)
+                s = scalars[key]
+                if group["weight_decay"] is not None:
+                    p.sub_(p * s["weight_decay"] * s["lr"])
+                self._update(p, grad.to(p.dtype), state, group, s)
         return loss
 
 
 def _clip(work: list[tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
-    """Keras's ``_clip_gradients``, in place on this step's gradient list.
+    """Keras's ``_clip_gradients``, in place on this step's gradient list, in the
+    gradients' dtype (Keras casts them to the variable's afterwards).
 
     ``global_clipnorm``'s norm is over every gradient of the optimizer, as Keras's.
     """
@@ -173,20 +261,29 @@ def _clip(work: list[tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor
                 grads = [g for _, ps in work for _, g in ps]
                 if not grads:
                     return
-                norm = torch.stack([g.square().sum().to(torch.float64) for g in grads]).sum()
-                norm = norm.sqrt()
-            limit = float(global_clipnorm)
+                norm = _global_norm(grads)
+            limit, inverse = (
+                float(cast(v, norm.dtype)) for v in (global_clipnorm, 1.0 / global_clipnorm)
+            )
             # Keras's: NaN for an infinite or NaN norm, else min(1, limit / norm).
-            scale = limit * torch.minimum(1.0 / norm, torch.tensor(1.0 / limit)) + (norm - norm)
+            scale = limit * torch.clamp(1 / norm, max=inverse) + (norm - norm)
             pairs[:] = [(p, g * scale.to(g.dtype)) for p, g in pairs]
         elif clipvalue and clipvalue > 0:
             pairs[:] = [(p, g.clamp(-clipvalue, clipvalue)) for p, g in pairs]
 
 
+def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Keras's ``global_norm``: ``sqrt(sum(stack([sum(g**2) for g in grads])))``."""
+    dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))
+    return torch.stack([g.square().sum().to(dtype) for g in grads]).sum().sqrt()
+
+
 def _clip_by_norm(grad: torch.Tensor, clipnorm: float) -> torch.Tensor:
-    """``grad * clipnorm / max(||grad||, clipnorm)`` (Keras's, a zero gradient kept)."""
+    """``grad * clipnorm / max(||grad||, clipnorm)`` (TensorFlow's ``clip_by_norm``,
+    which Keras's TensorFlow backend calls; a zero gradient kept)."""
+    limit = float(cast(clipnorm, grad.dtype))
     l2norm = grad.square().sum().sqrt()
-    return grad * clipnorm / torch.clamp(l2norm, min=clipnorm)
+    return grad * limit / torch.clamp(l2norm, min=limit)
 
 
 def slot(state: dict[str, Any], name: str, p: torch.Tensor, fill: float = 0.0) -> torch.Tensor:

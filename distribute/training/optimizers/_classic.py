@@ -13,7 +13,13 @@ import torch
 from torch.optim.optimizer import ParamsT
 
 from distribute.errors import InvalidArgumentError
-from distribute.training.optimizers._base import KerasOptimizer, resolve_lr, slot
+from distribute.training.optimizers._base import (
+    KerasOptimizer,
+    Scalars,
+    cast,
+    resolve_lr,
+    slot,
+)
 
 __all__ = ["SGD", "Adadelta", "Adagrad", "Ftrl", "RMSprop"]
 
@@ -72,18 +78,24 @@ class SGD(KerasOptimizer):
         }
         super().__init__(params, defaults)
 
+    def _scalars(
+        self, group: dict[str, Any], t: torch.Tensor, lr: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        return {"momentum": cast(group["momentum"], t.dtype)}
+
     def _update(
         self,
         p: torch.Tensor,
         grad: torch.Tensor,
         state: dict[str, Any],
         group: dict[str, Any],
-        step: int,
+        s: Scalars,
     ) -> None:
-        lr, momentum = group["lr"], group["momentum"]
-        if momentum == 0:
+        lr = s["lr"]
+        if group["momentum"] == 0:
             p.sub_(grad * lr)
             return
+        momentum = s["momentum"]
         m = slot(state, "momentum", p)
         m.mul_(momentum).sub_(grad * lr)
         if group["nesterov"]:
@@ -149,27 +161,38 @@ class RMSprop(KerasOptimizer):
         }
         super().__init__(params, defaults)
 
+    def _scalars(
+        self, group: dict[str, Any], t: torch.Tensor, lr: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        names = {
+            "rho": group["rho"],
+            "1 - rho": 1 - group["rho"],  # in Python, as Keras's (rho is a number there)
+            "epsilon": group["epsilon"],
+            "momentum": group["momentum"],
+        }
+        return {name: cast(value, t.dtype) for name, value in names.items()}
+
     def _update(
         self,
         p: torch.Tensor,
         grad: torch.Tensor,
         state: dict[str, Any],
         group: dict[str, Any],
-        step: int,
+        s: Scalars,
     ) -> None:
-        rho, momentum, epsilon = group["rho"], group["momentum"], group["epsilon"]
+        rho, one_minus_rho, epsilon = s["rho"], s["1 - rho"], s["epsilon"]
         velocity = slot(state, "velocity", p)
-        velocity.mul_(rho).add_(grad.square().mul_(1 - rho))
+        velocity.mul_(rho).add_(grad.square().mul_(one_minus_rho))
         if group["centered"]:
             average = slot(state, "average_gradient", p)
-            average.mul_(rho).add_(grad * (1 - rho))
+            average.mul_(rho).add_(grad * one_minus_rho)
             denominator = (velocity - average.square()).add_(epsilon)
         else:
             denominator = velocity + epsilon
-        increment = (grad * group["lr"]).div_(denominator.sqrt_())
-        if momentum > 0:
+        increment = (grad * s["lr"]).div_(denominator.sqrt_())
+        if group["momentum"] > 0:
             buffer = slot(state, "momentum", p)
-            buffer.mul_(momentum).add_(increment)
+            buffer.mul_(s["momentum"]).add_(increment)
             p.sub_(buffer)
         else:
             p.sub_(increment)
@@ -224,17 +247,22 @@ class Adagrad(KerasOptimizer):
         }
         super().__init__(params, defaults)
 
+    def _scalars(
+        self, group: dict[str, Any], t: torch.Tensor, lr: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        return {"epsilon": cast(group["epsilon"], t.dtype)}
+
     def _update(
         self,
         p: torch.Tensor,
         grad: torch.Tensor,
         state: dict[str, Any],
         group: dict[str, Any],
-        step: int,
+        s: Scalars,
     ) -> None:
         accumulator = slot(state, "accumulator", p, group["initial_accumulator_value"])
         accumulator.add_(grad.square())
-        p.sub_((grad * group["lr"]).div_((accumulator + group["epsilon"]).sqrt_()))
+        p.sub_((grad * s["lr"]).div_((accumulator + s["epsilon"]).sqrt_()))
 
 
 class Adadelta(KerasOptimizer):
@@ -286,23 +314,30 @@ class Adadelta(KerasOptimizer):
         }
         super().__init__(params, defaults)
 
+    def _scalars(
+        self, group: dict[str, Any], t: torch.Tensor, lr: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        # 1 - rho in Python, as Keras's (rho is a number there).
+        names = {"rho": group["rho"], "1 - rho": 1 - group["rho"], "epsilon": group["epsilon"]}
+        return {name: cast(value, t.dtype) for name, value in names.items()}
+
     def _update(
         self,
         p: torch.Tensor,
         grad: torch.Tensor,
         state: dict[str, Any],
         group: dict[str, Any],
-        step: int,
+        s: Scalars,
     ) -> None:
-        rho, epsilon = group["rho"], group["epsilon"]
+        rho, one_minus_rho, epsilon = s["rho"], s["1 - rho"], s["epsilon"]
         accumulated_grad = slot(state, "accumulated_grad", p)
         accumulated_delta = slot(state, "accumulated_delta_var", p)
-        accumulated_grad.mul_(rho).add_(grad.square().mul_(1 - rho))
+        accumulated_grad.mul_(rho).add_(grad.square().mul_(one_minus_rho))
         delta = -((accumulated_delta + epsilon).sqrt_().mul_(grad)).div_(
             (accumulated_grad + epsilon).sqrt_()
         )
-        accumulated_delta.mul_(rho).add_(delta.square().mul_(1 - rho))
-        p.add_(delta * group["lr"])
+        accumulated_delta.mul_(rho).add_(delta.square().mul_(one_minus_rho))
+        p.add_(delta * s["lr"])
 
 
 class Ftrl(KerasOptimizer):
@@ -378,23 +413,34 @@ class Ftrl(KerasOptimizer):
         }
         super().__init__(params, defaults)
 
+    def _scalars(
+        self, group: dict[str, Any], t: torch.Tensor, lr: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        dtype = t.dtype
+        # Keras's l2 + beta / (2.0 * lr), in the dtype (lr is a tensor there).
+        l2 = cast(group["l2_regularization_strength"], dtype)
+        l2 = l2 + cast(group["beta"], dtype) / (2.0 * lr)
+        return {
+            "-learning_rate_power": cast(-group["learning_rate_power"], dtype),
+            "l1": cast(group["l1_regularization_strength"], dtype),
+            "2 * l2": 2 * l2,
+            "2 * l2_shrinkage": cast(2 * group["l2_shrinkage_regularization_strength"], dtype),
+        }
+
     def _update(
         self,
         p: torch.Tensor,
         grad: torch.Tensor,
         state: dict[str, Any],
         group: dict[str, Any],
-        step: int,
+        s: Scalars,
     ) -> None:
-        lr, power = group["lr"], -group["learning_rate_power"]
-        l1 = group["l1_regularization_strength"]
-        l2 = group["l2_regularization_strength"] + group["beta"] / (2.0 * lr)
-        shrinkage = group["l2_shrinkage_regularization_strength"]
+        lr, power, l1 = s["lr"], s["-learning_rate_power"], s["l1"]
         accumulator = slot(state, "accumulator", p, group["initial_accumulator_value"])
         linear = slot(state, "linear", p)
-        grad_to_use = grad + p * (2 * shrinkage)
+        grad_to_use = grad + p * s["2 * l2_shrinkage"]
         new_accumulator = accumulator + grad.square()
         linear.add_(grad_to_use - (new_accumulator.pow(power) - accumulator.pow(power)) / lr * p)
-        quadratic = new_accumulator.pow(power) / lr + 2 * l2
+        quadratic = new_accumulator.pow(power) / lr + s["2 * l2"]
         p.copy_((linear.clamp(-l1, l1) - linear) / quadratic)
         accumulator.copy_(new_accumulator)
