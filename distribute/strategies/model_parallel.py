@@ -102,6 +102,33 @@ class _NoSync:
         return self.depth > 0
 
 
+class _PeersDrawAlike:
+    """A distributed dataset read by several workers of one replica (a batch axis of
+    size 1), which must see the same rows: every epoch starts from the chief's random
+    state (torch's generator and the loader's own), so a shuffling loader draws the
+    chief's order on every worker. (With several replicas the input layer agrees on
+    the chief's seed itself.) Everything else is the dataset's."""
+
+    def __init__(self, distributed: Any, source: Any, world: ProcessGroupCollectives) -> None:
+        self._distributed = distributed
+        self._source = source  # the user's loader, whose generators draw the order
+        self._world = world
+
+    def __iter__(self) -> Any:
+        from distribute.data._position import generators_of
+
+        generators = generators_of(self._source)
+        states = [torch.get_rng_state(), *(g.get_state() for g in generators)]
+        self._world.broadcast(states, 0, name="the chief's random state (input order)")
+        torch.set_rng_state(states[0])
+        for generator, state in zip(generators, states[1:]):
+            generator.set_state(state)
+        return iter(self._distributed)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._distributed, name)
+
+
 class _MeshExtended(StrategyExtended):
     """`StrategyExtended` of `ModelParallelStrategy`: one replica per worker process,
     composed of the parts the strategy builds (NOTE [model parallel layout]).
@@ -374,7 +401,10 @@ class _MeshExtended(StrategyExtended):
     def _distribute_dataset(self, dataset: Any, options: InputOptions | None) -> Any:
         from distribute.data.dataset import DistributedDataset
 
-        return DistributedDataset(dataset, self._input_workers(), options)
+        distributed = DistributedDataset(dataset, self._input_workers(), options)
+        if self._plan.batch_size == 1 and self._collectives.world.world_size > 1:
+            return _PeersDrawAlike(distributed, dataset, self._collectives.world)
+        return distributed
 
     def _distribute_datasets_from_function(
         self, dataset_fn: Callable[[InputContext], Any], options: InputOptions | None

@@ -251,8 +251,18 @@ def _exact_sums(shape: tuple[int, int], fully_shard: bool) -> list[list[float]]:
     return seen
 
 
+def _rows_seen(shape: tuple[int, int]) -> list[list[int]]:
+    """One shuffled epoch of the row numbers 0..19 in batches of 4, each worker seeded
+    differently: the rows each worker receives, step by step."""
+    strategy = ds.experimental.ModelParallelStrategy(layout_map(shape))
+    _KEEP.append(strategy)
+    torch.manual_seed(7 + _rank())
+    loader = torch.utils.data.DataLoader(torch.arange(20), batch_size=4, shuffle=True)
+    return [batch.tolist() for batch in strategy.experimental_distribute_dataset(loader)]
+
+
 def _two_workers() -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"rows": _rows_seen((1, 2))}
     for name in ("sgd", "adam"):
         out[name] = _parity_run((1, 2), name, fully_shard=False)
     out["misuse"] = _misuse()
@@ -260,7 +270,7 @@ def _two_workers() -> dict[str, Any]:
 
 
 def _four_workers(directory: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"rows": _rows_seen((2, 2))}
     out["sgd"] = _parity_run((2, 2), "sgd", fully_shard=False)
     out["adam"] = _parity_run((2, 2), "adam", fully_shard=False, save_to=directory)
     out["fully_shard"] = _parity_run((2, 2), "adam", fully_shard=True)
@@ -443,6 +453,21 @@ def test_each_worker_holds_half_of_a_split_variable_and_all_of_an_unmapped_one(
         assert local["up"] == (2 * WIDTH, WIDTH), local  # (4 * WIDTH, WIDTH) split in two
         assert local["embed"] == (VOCAB, WIDTH), local
         assert local["types"] == ["DTensor"], local
+
+
+def test_the_workers_of_a_replica_get_the_same_shuffled_rows_and_replicas_split_them(
+    two_workers: list[dict[str, Any]], four_workers: tuple[list[dict[str, Any]], str]
+) -> None:
+    def flat(steps: list[list[int]]) -> list[int]:
+        return sorted(row for step in steps for row in step)
+
+    first, second = (worker["rows"] for worker in two_workers)
+    assert first == second, "a (1, 2) mesh: both workers are one replica"
+    assert flat(first) == list(range(20)), first
+    assert first != [[4 * i + j for j in range(4)] for i in range(5)], "shuffled"
+    rows = [worker["rows"] for worker in four_workers[0]]  # ranks (0, 0) (0, 1) (1, 0) (1, 1)
+    assert rows[0] == rows[1] and rows[2] == rows[3], "a replica's workers: the same rows"
+    assert flat(rows[0] + rows[2]) == list(range(20)), "the replicas split every batch"
 
 
 def test_gradients_are_exact_sums_along_the_batch_axis_and_accumulate(
