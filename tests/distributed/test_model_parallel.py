@@ -261,6 +261,33 @@ def _rows_seen(shape: tuple[int, int]) -> list[list[int]]:
     return [batch.tolist() for batch in strategy.experimental_distribute_dataset(loader)]
 
 
+def _reductions() -> dict[str, Any]:
+    """reduce, gather and the replica context's collectives over the replicas of a
+    (2, 2) mesh: replica r contributes r + 1 rows of r + 1."""
+    strategy = ds.experimental.ModelParallelStrategy(layout_map((2, 2)))
+    _KEEP.append(strategy)
+
+    def fn() -> tuple[torch.Tensor, ...]:
+        context = ds.get_replica_context()
+        replica = context.replica_id_in_sync_group
+        x = torch.tensor([float(replica + 1)], requires_grad=True)
+        total = context.all_reduce("sum", x)
+        total.backward()  # the gradient of a sum is the sum of the gradients
+        gathered = context.all_gather(torch.full((replica + 1,), float(replica)), 0)
+        rows = torch.full((replica + 1, 2), float(replica + 1))
+        return rows, total.detach(), x.grad, gathered
+
+    rows, total, grad, gathered = strategy.run(fn)
+    return {
+        "sum": strategy.reduce("sum", rows, axis=0).tolist(),
+        "mean": strategy.reduce("mean", rows, axis=0).tolist(),
+        "gather": strategy.gather(rows, axis=0).tolist(),
+        "all_reduce": total.tolist(),
+        "grad": grad.tolist(),
+        "all_gather": gathered.tolist(),
+    }
+
+
 def _two_workers() -> dict[str, Any]:
     out: dict[str, Any] = {"rows": _rows_seen((1, 2))}
     for name in ("sgd", "adam"):
@@ -270,7 +297,7 @@ def _two_workers() -> dict[str, Any]:
 
 
 def _four_workers(directory: str) -> dict[str, Any]:
-    out: dict[str, Any] = {"rows": _rows_seen((2, 2))}
+    out: dict[str, Any] = {"rows": _rows_seen((2, 2)), "reductions": _reductions()}
     out["sgd"] = _parity_run((2, 2), "sgd", fully_shard=False)
     out["adam"] = _parity_run((2, 2), "adam", fully_shard=False, save_to=directory)
     out["fully_shard"] = _parity_run((2, 2), "adam", fully_shard=True)
@@ -468,6 +495,17 @@ def test_the_workers_of_a_replica_get_the_same_shuffled_rows_and_replicas_split_
     rows = [worker["rows"] for worker in four_workers[0]]  # ranks (0, 0) (0, 1) (1, 0) (1, 1)
     assert rows[0] == rows[1] and rows[2] == rows[3], "a replica's workers: the same rows"
     assert flat(rows[0] + rows[2]) == list(range(20)), "the replicas split every batch"
+
+
+def test_reduce_gather_and_the_replica_context_combine_the_replicas(
+    four_workers: tuple[list[dict[str, Any]], str],
+) -> None:
+    for worker in four_workers[0]:
+        out = worker["reductions"]
+        assert out["sum"] == [5.0, 5.0] and out["mean"] == pytest.approx([5 / 3, 5 / 3])
+        assert out["gather"] == [[1.0, 1.0], [2.0, 2.0], [2.0, 2.0]]
+        assert out["all_reduce"] == [3.0] and out["grad"] == [2.0]
+        assert out["all_gather"] == [0.0, 1.0, 1.0]
 
 
 def test_gradients_are_exact_sums_along_the_batch_axis_and_accumulate(
