@@ -5,7 +5,9 @@ indented block of code, reST style). Griffe's Google parser knows only
 ``Examples:``; any other title becomes an admonition whose ``>>>`` lines render as
 nested block quotes. Before a docstring is parsed, this rewrites ``Example:`` to
 ``Examples:`` (so doctest lines become highlighted code) and the body of
-``Example::`` to a fenced ``python`` block. The source files are not touched.
+``Example::`` to a fenced ``python`` block, and escapes an argument description that
+starts with ``>`` (``>= 0``), which Markdown would quote. The source files are not
+touched.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import griffe
 
 _DOCTEST_TITLE = re.compile(r"^(\s*)Example:\s*$")
 _LITERAL_TITLE = re.compile(r"^(\s*)Example::\s*$")
+#: An ``Args:`` item whose description starts with ``>`` (``x: >= 0; ...``): Markdown
+#: would make it a block quote.
+_QUOTE_LIKE_ITEM = re.compile(r"^(\s+[\w*]+(?: \([^)]*\))?: )>")
 
 
 def _indent(line: str) -> int:
@@ -30,6 +35,7 @@ def rewrite(text: str) -> str:
     i = 0
     while i < len(lines):
         line = lines[i]
+        line = _QUOTE_LIKE_ITEM.sub(r"\1\\>", line)
         if match := _DOCTEST_TITLE.match(line):
             out.append(f"{match.group(1)}Examples:")
             i += 1
