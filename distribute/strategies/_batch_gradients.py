@@ -103,6 +103,8 @@ class BatchAxisGradients:
                 self._aside[key] = param.grad  # a sum already: the pass accumulates afresh
                 param.grad = None
             self._unsummed.add(key)
+        elif param.grad is None:
+            self._aside.pop(key, None)  # zero_grad() since a no_sync() pass: all of it gone
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
