@@ -10,6 +10,8 @@ along its "batch" axis. The training step is one device's:
     torchrun --nproc_per_node=4 examples/train_transformer_mp.py --mesh 2,2
     torchrun --nproc_per_node=4 examples/train_transformer_mp.py --mesh 2,2 --fully-shard
 
+(or one process per device with a ``TF_CONFIG`` each, or under SLURM's ``srun``.)
+
 The task is synthetic (nothing is downloaded): each sequence counts up from a random
 token by a random stride, modulo the vocabulary, and the model predicts the next token.
 The chief prints one JSON line: the losses, and the share of the weights each worker
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Any
 
 import torch
@@ -117,10 +118,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch-size", type=int, default=32, help="the global batch")
     parser.add_argument("--examples", type=int, default=512)
     args = parser.parse_args(argv)
-    workers = int(os.environ.get("WORLD_SIZE", "1"))
+    resolver = ds.cluster_resolver.resolve_cluster()  # torchrun, TF_CONFIG or SLURM
+    workers = resolver.world_size if resolver is not None else 1
     shape = tuple(int(n) for n in args.mesh.split(",")) if args.mesh else (1, workers)
     strategy = ds.experimental.ModelParallelStrategy(
-        layout_map((shape[0], shape[1])), fully_shard=args.fully_shard
+        layout_map((shape[0], shape[1])), cluster_resolver=resolver, fully_shard=args.fully_shard
     )
 
     torch.manual_seed(0)  # the chief's initial values are every worker's
