@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -183,9 +184,13 @@ class _MeshExtended(StrategyExtended):
     # -- the scope --------------------------------------------------------------------
 
     def _captures(self, module: torch.nn.Module, tensor: torch.Tensor) -> bool:
-        if type(tensor).__name__ == "DTensor" or type(module).__name__.startswith("FSDP"):
-            return False  # our own layout, torch's styles, FSDP's (un)sharded parameters
-        return True
+        # Not our own layout, torch's styles or FSDP's (un)sharded parameters (neither
+        # module is imported before something of this strategy has used it).
+        dtensor = sys.modules.get("torch.distributed.tensor")
+        if dtensor is not None and isinstance(tensor, dtensor.DTensor):
+            return False
+        fsdp = sys.modules.get("torch.distributed.fsdp")
+        return fsdp is None or not isinstance(module, fsdp.FSDPModule)
 
     def _capture_parameter(
         self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
@@ -704,8 +709,10 @@ def _component(leaf: Any) -> Any:
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's whole value (a collective over the model axes); a tensor as it is."""
-    if type(t).__name__ == "DTensor":
-        return t.full_tensor()  # type: ignore[attr-defined, no-any-return]  # a DTensor
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(t, dtensor.DTensor):
+        whole: torch.Tensor = t.full_tensor()
+        return whole
     return t
 
 
