@@ -94,7 +94,7 @@ class _Collectives:
 
 
 class _NoSync:
-    """How deep this thread's strategy is inside ``no_sync()``."""
+    """How deep the strategy is inside ``no_sync()`` (shared by its engine and its sums)."""
 
     def __init__(self) -> None:
         self.depth = 0
