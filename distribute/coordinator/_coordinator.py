@@ -67,11 +67,32 @@ logger = logging.getLogger(__name__)
 
 
 class ClosureCancelledError(DistributeError, RuntimeError):
-    """A closure was cancelled because an earlier one failed."""
+    """A closure was cancelled because an earlier one failed (or the cluster shut
+    down before it ran); its `RemoteValue` raises this.
+
+    Example::
+
+        first = coordinator.schedule(fails)         # raises ValueError on a worker
+        queued = coordinator.schedule(step)
+        try:
+            coordinator.join()                      # the ValueError
+        except ValueError:
+            pass
+        queued.fetch()                              # ClosureCancelledError
+    """
 
 
 class WorkerLostError(DistributeError, ConnectionError):
-    """Every worker died: nothing is left to run closures."""
+    """Every worker died and none came back within the strategy's timeout: nothing is
+    left to run closures.
+
+    Example::
+
+        try:
+            coordinator.join()
+        except ds.coordinator.WorkerLostError:
+            ...   # restart worker tasks (they rejoin), or the cluster from a checkpoint
+    """
 
 
 class RemoteValue:
@@ -290,7 +311,8 @@ class ClusterCoordinator:
         """Queues `fn(*args, **kwargs)` to run on an idle worker; returns at once.
 
         Raises:
-            the first error of an earlier closure (the queue was cancelled).
+            Exception: the first error of an earlier closure, whatever its type (the
+                queue was cancelled).
             InvalidArgumentError: a `RemoteValue` among the arguments (fetch it first),
                 or an argument that cannot be sent (pickled) to the workers.
         """
@@ -325,7 +347,8 @@ class ClusterCoordinator:
         of the variables.
 
         Raises:
-            the first error of a closure since the last `join`.
+            Exception: the first error of a closure since the last `join`, whatever
+                its type.
         """
         with self._cond:
             while (self._queue or self._inflight) and self._error is None:

@@ -40,7 +40,16 @@ __all__ = ["ClosureFailure", "PsUnavailableError", "Runtime", "current", "instal
 
 
 class PsUnavailableError(DistributeError, ConnectionError):
-    """A ps task did not answer (it died, or its host is unreachable)."""
+    """A ps task did not answer (it died, or its host is unreachable); training
+    cannot go on without its variables.
+
+    Example::
+
+        try:
+            coordinator.join()
+        except ds.coordinator.PsUnavailableError as e:
+            print(e)   # names the ps; restart the cluster, restore the last checkpoint
+    """
 
 
 @dataclass

@@ -15,11 +15,7 @@ import re
 from typing import Any
 
 #: (file suffix, message pattern) of the tolerated warnings.
-TOLERATED: list[tuple[str, str]] = [
-    # ClusterCoordinator.join / done: "Raises:" items without an exception type
-    # (coordinator/ belongs to the fit-under-ParameterServerStrategy work, #33's time).
-    ("distribute/coordinator/_coordinator.py", r"Failed to get 'exception: description' pair"),
-]
+TOLERATED: list[tuple[str, str]] = []
 
 _matched: set[int] = set()
 
