@@ -24,6 +24,7 @@ __all__ = [
     "RendezvousError",
     "ReplicaAbortedError",
     "WorkerError",
+    "XlaAutogradError",
 ]
 
 
@@ -61,3 +62,8 @@ class ReplicaAbortedError(DistributeError, RuntimeError):
 
 class WorkerError(DistributeError, RuntimeError):
     """A worker process failed; the message names its rank and carries its traceback."""
+
+
+class XlaAutogradError(DistributeError, RuntimeError):
+    """Autograd cannot run a backward on XLA devices in this process: its first
+    backward ran before torch_xla's runtime started (the message says how to fix it)."""

@@ -153,6 +153,9 @@ class TPUStrategy(Strategy):
     Raises:
         InvalidArgumentError: torch_xla is not installed; replica mode in a process
             already in SPMD mode; an SPMD assignment that does not cover every device.
+        XlaAutogradError: the process ran its first backward before torch_xla's
+            runtime started, so autograd can never run one on an XLA device in it
+            (create the strategy, or call `ds.tpu.initialize_tpu_system`, first).
 
     Example::
 
@@ -209,6 +212,9 @@ class TPUStrategy(Strategy):
                 key=lambda d: d.index or 0,
             )
             extended = ReplicatedExtended(self, devices)
+        # Autograd's device queues were sized at the process's first backward: refuse
+        # here, with the fix, what would fail inside autograd at the first step.
+        xla.check_autograd(self._step_devices)
         super().__init__(extended)
 
     # -- identity -------------------------------------------------------------------
