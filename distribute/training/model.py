@@ -494,17 +494,19 @@ class Model(torch.nn.Module):
         hooks = CallbackList([*(callbacks or ()), bar], self, {"steps": steps or data.steps})
         hooks.on_predict_begin()
         outputs: list[Any] = []
+        rows: list[int | None] = []  # each step's examples (a padded batch has fewer)
         strategy = self._ds_strategy
         with self._inference_mode():
             for step, batch in enumerate(itertools.islice(data.dataset, steps)):
                 hooks.on_predict_batch_begin(step)
                 per_replica = self._run_step(self.predict_step, batch, None)
                 outputs.append(map_structure(lambda t: strategy.gather(t, axis=0), per_replica))
+                rows.append(_known_size(data, step))
                 hooks.on_predict_batch_end(step, {})
         hooks.on_predict_end()
         if not outputs:
             raise InvalidArgumentError("predict got no data")
-        return _concatenate(outputs)
+        return _concatenate(outputs, rows)
 
     @contextlib.contextmanager
     def _inference_mode(self) -> Iterator[None]:
@@ -560,10 +562,19 @@ def _wants_batch_logs(hooks: CallbackList) -> bool:
     return False
 
 
-def _concatenate(outputs: list[Any]) -> Any:
+def _known_size(data: Data, step: int) -> int | None:
+    """Step ``step``'s global batch size where the loader says it, else None."""
+    if data.sizes is None or (data.steps is not None and step >= data.steps):
+        return None
+    return data.sizes(step)
+
+
+def _concatenate(outputs: list[Any], rows: list[int | None]) -> Any:
+    """The steps' outputs concatenated on the host, each cut to its step's ``rows``
+    (a batch padded to the full size, under `TPUStrategy`, has fewer examples)."""
     first = outputs[0]
     if isinstance(first, dict):
-        return {k: _concatenate([o[k] for o in outputs]) for k in first}
+        return {k: _concatenate([o[k] for o in outputs], rows) for k in first}
     if isinstance(first, (list, tuple)):
-        return [_concatenate([o[i] for o in outputs]) for i in range(len(first))]
-    return np.concatenate([o.detach().cpu().numpy() for o in outputs])
+        return [_concatenate([o[i] for o in outputs], rows) for i in range(len(first))]
+    return np.concatenate([o.detach().cpu().numpy()[:n] for o, n in zip(outputs, rows)])

@@ -11,9 +11,12 @@ from _common import (
     GLOBAL_BATCH,
     assert_close_to_reference,
     assert_same_history,
+    assert_same_run,
     assert_same_weights,
+    counted_fit_run,
     cpu_reference,
     data,
+    default_fit_run,
     fit_history,
     initial_weights,
     mlp,
@@ -268,3 +271,26 @@ def test_a_partial_last_batch_compiles_one_program_per_shape_not_per_device(
     # and the step once momentum exists; per new shape of the last batch, two more.
     assert counts[19] - before <= 3, (before, counts)
     assert counts[20] - counts[19] <= 2, counts
+
+
+# -- ds.Model under TPUStrategy (issue #30) -----------------------------------------------
+
+FIT_CASES = [("momentum", 1), ("adam", 1)]
+FIT_IDS = [f"{optimizer}-spe{every}" for optimizer, every in FIT_CASES]
+
+
+@pytest.mark.parametrize(("optimizer", "every"), FIT_CASES, ids=FIT_IDS)
+def test_fit_evaluate_and_predict_match_the_default_strategy(
+    strategy: ds.TPUStrategy, optimizer: str, every: int
+) -> None:
+    """Momentum SGD (torch's) and Adam (Keras's): the
+    epochs' losses, accuracy, weights, evaluate and predict (host arrays, in input
+    order, the padded last batch's extra rows dropped) as under the default strategy."""
+    got, _ = counted_fit_run(strategy, optimizer, every)
+    assert_same_run(got, default_fit_run(optimizer))
+
+
+@pytest.mark.parametrize("every", [1])
+def test_fit_compiles_nothing_after_its_first_epoch(strategy: ds.TPUStrategy, every: int) -> None:
+    _, counters = counted_fit_run(strategy, "momentum", every)
+    assert counters.compiles[1:] == [0, 0], counters.compiles
