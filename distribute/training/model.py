@@ -50,6 +50,7 @@ from distribute.training import losses as losses_lib
 from distribute.training import metrics as metrics_lib
 from distribute.training._data import Data, adapt, local_batch_size, split_arrays, unpack
 from distribute.training._progress import ProgressBar
+from distribute.training._xla_steps import StepExecutions
 from distribute.training.callbacks import Callback, CallbackList, History
 from distribute.values import flatten, map_structure
 
@@ -133,7 +134,9 @@ class Model(torch.nn.Module):
                 objects or functions of ``(y_true, y_pred)``.
             loss_weights: weights of the outputs' losses.
             steps_per_execution: batch callbacks (and the progress bar) run every
-                this many steps.
+                this many steps; under `TPUStrategy` these steps also run as one XLA
+                execution (one graph, compiled once: NOTE [steps per execution] in
+                `_xla_steps.py`).
         """
         if steps_per_execution < 1:
             raise InvalidArgumentError(
@@ -350,6 +353,18 @@ class Model(torch.nn.Module):
     def _train_epoch(
         self, train: Data, hooks: CallbackList, steps_per_epoch: int | None
     ) -> tuple[float, int]:
+        # steps_per_execution steps per XLA execution where the strategy records them
+        # into one graph, their logs read after it (NOTE [steps per execution]).
+        with StepExecutions(self._ds_strategy, self._steps_per_execution) as executions:
+            return self._train_steps(train, hooks, steps_per_epoch, executions)
+
+    def _train_steps(
+        self,
+        train: Data,
+        hooks: CallbackList,
+        steps_per_epoch: int | None,
+        executions: StepExecutions,
+    ) -> tuple[float, int]:
         iterator = self._train_iterator
         total, count = 0.0, 0
         taken = 0
@@ -357,6 +372,23 @@ class Model(torch.nn.Module):
         running = _wants_batch_logs(hooks)  # else the metrics are not summed per step
         fresh = False  # the iterator was just made: an empty pass means empty data
         pending: tuple[int, dict[str, float]] | None = None
+        reduced = 0
+
+        def settle(index: int, wait: bool) -> tuple[bool, tuple[int, dict[str, float]]]:
+            """Ends the execution (``index``: its last step) and reads the logs of its
+            steps (without ``wait``, on XLA, the previous execution's: nobody reads
+            batch logs, and the host records the next steps meanwhile): whether to
+            stop, and the batch logs."""
+            nonlocal total, count, reduced
+            steps = executions.finish(wait)
+            stop = False
+            metrics: dict[str, float] = {}
+            for k, (size, logs) in enumerate(steps):
+                last = k == len(steps) - 1  # the metrics so far: read once, after it
+                loss, stop, metrics = self._reduce_step(logs, running and last, reduced == 0)
+                total, count, reduced = total + loss * size, count + size, reduced + 1
+            return stop, (index, {"loss": total / count, **metrics} if count else {})
+
         while steps_per_epoch is None or taken < steps_per_epoch:
             try:
                 batch = next(iterator)
@@ -375,17 +407,20 @@ class Model(torch.nn.Module):
             if taken % every == 0:
                 hooks.on_train_batch_begin(index)
             size = self._step_size_of(train, step, batch)
-            logs = self._run_step(self.train_step, batch, size)
-            loss, stop, metrics = self._reduce_step(logs, running, first=taken == 0)
-            total, count, taken = total + loss * size, count + size, taken + 1
-            pending = (index, {"loss": total / count, **metrics})
+            executions.run(size, self._run_step, self.train_step, batch, size)
+            taken += 1
+            if not executions.full and (steps_per_epoch is None or taken < steps_per_epoch):
+                continue  # the execution's next step
+            stop, pending = settle(index, wait=running)
             if taken % every == 0:
                 hooks.on_train_batch_end(*pending)
                 pending = None
             if stop or (self._cross_worker() is None and self.stop_training):
                 self.stop_training = True
                 break
-        if pending is not None:  # the last steps of a steps_per_execution group
+        if executions.pending:  # logs not read yet: the last execution's (XLA), or the
+            _, pending = settle(index, wait=True)  # data ended inside an execution
+        if pending is not None and taken % every:  # the last steps of a group
             hooks.on_train_batch_end(*pending)
         if count == 0 and steps_per_epoch is None and iterator.steps == 0:
             raise InvalidArgumentError("fit got no data: the dataset is empty")

@@ -304,3 +304,51 @@ def default_fit_run(optimizer: str) -> dict[str, Any]:
 #: Batch hooks of one epoch of FIT_STEPS (10) steps with steps_per_execution=4:
 #: Keras's, every 4 steps, the last group short.
 BATCH_CALLS_EVERY_4 = [("begin", 0), ("end", 3), ("begin", 4), ("end", 7), ("begin", 8), ("end", 9)]
+
+
+def train_in_executions(
+    strategy: ds.TPUStrategy, x: torch.Tensor, y: torch.Tensor, every: int
+) -> tuple[tuple[list[float], dict[str, torch.Tensor]], int]:
+    """`train` written with ``every`` `run` calls per ``strategy.one_execution()``
+    (losses read after each execution): the losses and weights, and the XLA
+    executions the loop took."""
+    reference = mlp(hidden=24)  # a width no other test compiles
+    with strategy.scope():
+        model = mlp(hidden=24)
+        model.load_state_dict(reference.state_dict())
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+
+    def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        per_example = torch.nn.functional.cross_entropy(model(xb), yb, reduction="none")
+        loss = ds.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    batches = list(strategy.experimental_distribute_dataset(loader(x, y)))
+    losses: list[float] = []
+    before = _xla_counters()[1]
+    for start in range(0, len(batches), every):
+        with strategy.one_execution():
+            outs = [strategy.run(step, args=batch) for batch in batches[start : start + every]]
+        losses += [float(strategy.reduce("sum", out, axis=None)) for out in outs]
+    runs = _xla_counters()[1] - before
+    return (losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}), runs
+
+
+def cpu_reference_of_width(
+    x: torch.Tensor, y: torch.Tensor, hidden: int
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """`cpu_reference` for an MLP of another width."""
+    model = mlp(hidden=hidden)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    losses = []
+    for xb, yb in loader(x, y):
+        loss = torch.nn.functional.cross_entropy(model(xb), yb, reduction="none").sum()
+        loss = loss / GLOBAL_BATCH
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
