@@ -24,6 +24,7 @@ __all__ = [
     "RendezvousError",
     "ReplicaAbortedError",
     "WorkerError",
+    "XlaAutogradError",
 ]
 
 
@@ -137,4 +138,16 @@ class WorkerError(DistributeError, RuntimeError):
 
         ds.launch.run(work, 2, timeout=60)
         # WorkerError: worker rank 0 raised RuntimeError: boom, then its traceback
+    """
+
+
+class XlaAutogradError(DistributeError, RuntimeError):
+    """Autograd cannot run a backward on XLA devices in this process: its first
+    backward ran before torch_xla's runtime started (the message says how to fix it).
+
+    Example::
+
+        loss.backward()                   # on the CPU, first in the process
+        strategy = ds.TPUStrategy()       # XlaAutogradError: build the strategy (or call
+                                          # ds.tpu.initialize_tpu_system()) before it
     """

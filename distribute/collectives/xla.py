@@ -18,6 +18,23 @@ come to the CPU in one transfer (`to_host`), are summed there in their dtype, in
 replica order, and go back to each device. The sum is exact and the same on every
 replica, so the copies stay equal.
 
+# NOTE [autograd's device queues]
+PyTorch's autograd engine starts its device worker threads once per process, at
+the first backward (`Engine::start_device_threads`, under a `call_once`): it asks
+every registered device type for its `deviceCount()` and makes one ready queue per
+index up to the largest. torch_xla's `XLAGuardImpl::deviceCount()` answers 0
+while its runtime (the PJRT client) has not started. So when the process's first
+backward runs on the CPU before torch_xla's runtime starts (a model trained under
+the default strategy first, say), the engine has no queue for any XLA device, and
+every later backward on one fails inside autograd (`INTERNAL ASSERT FAILED ...
+device_ready_queues_`), for the rest of the process: nothing resets the engine.
+The library starts the runtime as early as it is told XLA is wanted
+(`ds.tpu.initialize_tpu_system`, `TPUStrategy(...)`), never at import (that would
+claim the TPUs of a process that does not use them), and `check_autograd` runs a
+backward of a scalar on the highest XLA device a strategy uses (nothing is
+compiled or run: XLA records it lazily) to turn the assert into an error that
+says what to do.
+
 Example:
     >>> from distribute.collectives import xla
     >>> xla.available() in (True, False)
@@ -33,10 +50,11 @@ from typing import Any
 
 import torch
 
-from distribute.errors import InvalidArgumentError
+from distribute.errors import InvalidArgumentError, XlaAutogradError
 
 __all__ = [
     "available",
+    "check_autograd",
     "compile_count",
     "mark_step",
     "require_torch_xla",
@@ -93,6 +111,34 @@ def runtime_device_count() -> int:
     CPU_NUM_DEVICES=4``), also under SPMD, where torch_xla shows one virtual device.
     Other hosts' devices are not counted: one process drives its own host's."""
     return int(runtime().addressable_runtime_device_count())
+
+
+def check_autograd(devices: Sequence[torch.device]) -> None:
+    """Checks that autograd can run a backward on every one of `devices` (NOTE
+    [autograd's device queues]); where it has never run one, this starts its device
+    threads with a queue for each XLA device. Call it after the runtime started
+    (and, for SPMD, after ``use_spmd``).
+
+    Raises:
+        XlaAutogradError: the process's first backward ran before torch_xla's
+            runtime started, so autograd has no queue for these devices.
+    """
+    device = max(devices, key=lambda d: d.index or 0)
+    leaf = torch.zeros((), device=device, requires_grad=True)
+    try:
+        torch.autograd.grad(leaf * 2.0, leaf)
+    except RuntimeError as exc:
+        if "device_ready_queues_" not in str(exc):
+            raise
+        raise XlaAutogradError(
+            f"autograd cannot run a backward on {device} in this process: its first "
+            "backward ran before torch_xla's runtime started, and PyTorch's autograd engine "
+            "sized its per-device queues then, once for the whole process, with no XLA "
+            "device (a model trained first under the default strategy or on the CPU does "
+            "this); create the TPUStrategy, or call ds.tpu.initialize_tpu_system(), before "
+            "the first backward of the process (at the top of the script), or train on XLA "
+            "in a process of its own"
+        ) from None
 
 
 def mark_step(devices: Sequence[torch.device]) -> None:

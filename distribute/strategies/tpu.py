@@ -18,7 +18,9 @@ Two modes, one API:
 
 Each `run` ends an XLA step on the devices it used (NOTE [XLA steps]), so a loop
 compiles one graph per input shape. Keep shapes static: batch with
-``drop_last=True``, or accept one more compile for the last, partial batch.
+``drop_last=True``, or accept one more compile for the last, partial batch. Inside
+`TPUStrategy.one_execution()` the calls share one step instead: several training
+steps recorded into one graph and executed once (Keras's ``steps_per_execution``).
 
 Example::
 
@@ -32,10 +34,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -153,6 +156,9 @@ class TPUStrategy(Strategy):
     Raises:
         InvalidArgumentError: torch_xla is not installed; replica mode in a process
             already in SPMD mode; an SPMD assignment that does not cover every device.
+        XlaAutogradError: the process ran its first backward before torch_xla's
+            runtime started, so autograd can never run one on an XLA device in it
+            (create the strategy, or call `ds.tpu.initialize_tpu_system`, first).
 
     Example::
 
@@ -189,6 +195,7 @@ class TPUStrategy(Strategy):
         self._assignment = assignment
         self._spmd = bool(experimental_spmd_xla_partitioning)
         self._layout: _SpmdLayout | None = None
+        self._executions = threading.local()  # `open`: one_execution()s open in a thread
         if self._spmd:
             _SpmdLayout.check(assignment, num_devices)  # before SPMD mode, which is for good
             if not xr.is_spmd():
@@ -209,6 +216,9 @@ class TPUStrategy(Strategy):
                 key=lambda d: d.index or 0,
             )
             extended = ReplicatedExtended(self, devices)
+        # Autograd's device queues were sized at the process's first backward: refuse
+        # here, with the fix, what would fail inside autograd at the first step.
+        xla.check_autograd(self._step_devices)
         super().__init__(extended)
 
     # -- identity -------------------------------------------------------------------
@@ -247,7 +257,37 @@ class TPUStrategy(Strategy):
         try:
             return super().run(fn, args, kwargs, options)
         finally:
-            xla.mark_step(self._step_devices)
+            if not getattr(self._executions, "open", 0):
+                xla.mark_step(self._step_devices)
+
+    @contextlib.contextmanager
+    def one_execution(self) -> Iterator[None]:
+        """The `run` calls made inside it (in this thread) are recorded into one XLA
+        graph, compiled once and executed once, when it exits: what TF gets from a
+        loop of ``strategy.run`` inside one ``tf.function``, and Keras from
+        ``steps_per_execution`` (`ds.Model.fit` uses this). NOTE [steps per execution]
+        in `distribute/training/_xla_steps.py`.
+
+        Do not read a value a step returned (``float``, ``.cpu()``) before it exits:
+        the read would execute the graph recorded so far. In replica mode the
+        optimizer's gradient sum still meets on the host at every step (NOTE [host
+        reduction]), which executes the graph up to the gradients each step; only
+        the update's execution is deferred.
+
+        Example::
+
+            with strategy.one_execution():
+                losses = [strategy.run(step, args=(next(iterator),)) for _ in range(8)]
+            print([float(loss) for loss in losses])    # after the 8 steps ran
+        """
+        depth = getattr(self._executions, "open", 0)
+        self._executions.open = depth + 1
+        try:
+            yield
+        finally:
+            self._executions.open = depth
+            if depth == 0:
+                xla.mark_step(self._step_devices)
 
     # -- input ----------------------------------------------------------------------
 

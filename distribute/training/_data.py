@@ -146,14 +146,17 @@ def adapt(
             seed = _agreed_seed(strategy, int(torch.randint(2**62, ()).item()))
             sampler = _SeededRandomSampler(RandomSampler(dataset), seed)
         size = batch_size or 32
-        # Static shapes (XLA): the last, partial batch is padded to the full size with
-        # weight-0 rows, so it runs the step already compiled (Keras on TPUs does too).
-        pad = y is not None and getattr(strategy, "_static_batch_shapes", False)
+        # Static shapes (XLA): a last, partial batch is padded to the full size with
+        # weight-0 rows, so it runs the step already compiled (Keras on TPUs does too);
+        # without targets (predict) with zero rows, whose outputs predict drops.
+        pad = bool(len(dataset) % size) and getattr(strategy, "_static_batch_shapes", False)
         loader = DataLoader(
             dataset,
             batch_size=size,
             sampler=sampler,
-            collate_fn=_PadToFull(size, weighted=sample_weight is not None) if pad else None,
+            collate_fn=_PadToFull(size, add_weights=y is not None and sample_weight is None)
+            if pad
+            else None,
         )
     elif isinstance(x, dict) or isinstance(y, dict):
         raise InvalidArgumentError(
@@ -210,18 +213,19 @@ def local_batch_size(strategy: Any, batch: Any) -> int:
 
 
 class _PadToFull:
-    """Collates a batch of (x, y[, sample_weight]) and pads a partial one to
-    ``size`` rows: zeros, with sample weight 0 (every batch gets a sample weight,
-    1 for real rows, so every step has the same structure and shapes)."""
+    """Collates a batch of (x[, y[, sample_weight]]) and pads a partial one to
+    ``size`` rows of zeros. With targets the padding rows weigh 0: every batch gets a
+    sample weight (``add_weights``: 1 for real rows where the data has none), so every
+    step has the same structure and shapes."""
 
-    def __init__(self, size: int, *, weighted: bool) -> None:
+    def __init__(self, size: int, *, add_weights: bool) -> None:
         self._size = size
-        self._weighted = weighted
+        self._add_weights = add_weights
 
     def __call__(self, samples: list[Any]) -> tuple[torch.Tensor, ...]:
         parts = list(default_collate(samples))
         n = len(samples)
-        if not self._weighted:
+        if self._add_weights:
             parts.append(torch.ones(n))
         missing = self._size - n
         if missing <= 0:

@@ -137,9 +137,13 @@ class Metric:
     def reset_state(self) -> None:
         """Zeroes the sums of every replica."""
         values = getattr(self.state, "values", None)
+        # Copied from the host, not `zero_()`: on XLA a copy is new device data, where
+        # `zero_()` would be an operation recorded into the next step's graph (a
+        # graph other than the steady one, compiled again in the second epoch).
+        zeros = torch.zeros(self.size, dtype=torch.float64)
         with torch.no_grad():
             for component in values if isinstance(values, tuple) else (self.state,):
-                component.zero_()
+                component.copy_(zeros)
 
 
 def _weights(sample_weight: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
@@ -172,7 +176,9 @@ class MeanMetricWrapper(Metric):
         values = self._fn(y_true, y_pred).double()
         values = values.flatten(1).mean(1) if values.dim() > 1 else values
         weights = _weights(sample_weight, len(values), values.device)
-        return torch.stack([(values * weights).sum(), weights.sum()]).cpu()
+        # Left where the batch is: the state's copy is on the replica's device (a host
+        # read here would end an XLA step in the middle of every training step).
+        return torch.stack([(values * weights).sum(), weights.sum()])
 
 
 class Mean(Metric):
@@ -192,7 +198,7 @@ class Mean(Metric):
         values = torch.as_tensor(values).detach().reshape(-1).double()
         weights = _weights(sample_weight, len(values), values.device)
         with torch.no_grad():
-            self._add(torch.stack([(values * weights).sum(), weights.sum()]).cpu())
+            self._add(torch.stack([(values * weights).sum(), weights.sum()]))
 
 
 def _sparse_correct(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:

@@ -52,6 +52,7 @@ from distribute.training import losses as losses_lib
 from distribute.training import metrics as metrics_lib
 from distribute.training._data import Data, adapt, local_batch_size, split_arrays, unpack
 from distribute.training._progress import ProgressBar
+from distribute.training._xla_steps import StepExecutions
 from distribute.training.callbacks import Callback, CallbackList, History
 from distribute.values import flatten, map_structure
 
@@ -135,7 +136,9 @@ class Model(torch.nn.Module):
                 objects or functions of ``(y_true, y_pred)``.
             loss_weights: weights of the outputs' losses.
             steps_per_execution: batch callbacks (and the progress bar) run every
-                this many steps.
+                this many steps; under `TPUStrategy` these steps also run as one XLA
+                execution (one graph, compiled once: NOTE [steps per execution] in
+                `_xla_steps.py`).
         """
         if steps_per_execution < 1:
             raise InvalidArgumentError(
@@ -363,6 +366,18 @@ class Model(torch.nn.Module):
     def _train_epoch(
         self, train: Data, hooks: CallbackList, steps_per_epoch: int | None
     ) -> tuple[float, int]:
+        # steps_per_execution steps per XLA execution where the strategy records them
+        # into one graph, their logs read after it (NOTE [steps per execution]).
+        with StepExecutions(self._ds_strategy, self._steps_per_execution) as executions:
+            return self._train_steps(train, hooks, steps_per_epoch, executions)
+
+    def _train_steps(
+        self,
+        train: Data,
+        hooks: CallbackList,
+        steps_per_epoch: int | None,
+        executions: StepExecutions,
+    ) -> tuple[float, int]:
         iterator = self._train_iterator
         total, count = 0.0, 0
         taken = 0
@@ -370,6 +385,23 @@ class Model(torch.nn.Module):
         running = _wants_batch_logs(hooks)  # else the metrics are not summed per step
         fresh = False  # the iterator was just made: an empty pass means empty data
         pending: tuple[int, dict[str, float]] | None = None
+        reduced = 0
+
+        def settle(index: int, wait: bool) -> tuple[bool, tuple[int, dict[str, float]]]:
+            """Ends the execution (``index``: its last step) and reads the logs of its
+            steps (without ``wait``, on XLA, the previous execution's: nobody reads
+            batch logs, and the host records the next steps meanwhile): whether to
+            stop, and the batch logs."""
+            nonlocal total, count, reduced
+            steps = executions.finish(wait)
+            stop = False
+            metrics: dict[str, float] = {}
+            for k, (size, logs) in enumerate(steps):
+                last = k == len(steps) - 1  # the metrics so far: read once, after it
+                loss, stop, metrics = self._reduce_step(logs, running and last, reduced == 0)
+                total, count, reduced = total + loss * size, count + size, reduced + 1
+            return stop, (index, {"loss": total / count, **metrics} if count else {})
+
         while steps_per_epoch is None or taken < steps_per_epoch:
             try:
                 batch = next(iterator)
@@ -388,17 +420,20 @@ class Model(torch.nn.Module):
             if taken % every == 0:
                 hooks.on_train_batch_begin(index)
             size = self._step_size_of(train, step, batch)
-            logs = self._run_step(self.train_step, batch, size)
-            loss, stop, metrics = self._reduce_step(logs, running, first=taken == 0)
-            total, count, taken = total + loss * size, count + size, taken + 1
-            pending = (index, {"loss": total / count, **metrics})
+            executions.run(size, self._run_step, self.train_step, batch, size)
+            taken += 1
+            if not executions.full and (steps_per_epoch is None or taken < steps_per_epoch):
+                continue  # the execution's next step
+            stop, pending = settle(index, wait=running)
             if taken % every == 0:
                 hooks.on_train_batch_end(*pending)
                 pending = None
             if stop or (self._cross_worker() is None and self.stop_training):
                 self.stop_training = True
                 break
-        if pending is not None:  # the last steps of a steps_per_execution group
+        if executions.pending:  # logs not read yet: the last execution's (XLA), or the
+            _, pending = settle(index, wait=True)  # data ended inside an execution
+        if pending is not None and taken % every:  # the last steps of a group
             hooks.on_train_batch_end(*pending)
         if count == 0 and steps_per_epoch is None and iterator.steps == 0:
             raise InvalidArgumentError("fit got no data: the dataset is empty")
@@ -509,17 +544,19 @@ class Model(torch.nn.Module):
         hooks = CallbackList([*(callbacks or ()), bar], self, {"steps": steps or data.steps})
         hooks.on_predict_begin()
         outputs: list[Any] = []
+        rows: list[int | None] = []  # each step's examples (a padded batch has fewer)
         strategy = self._ds_strategy
         with self._inference_mode():
             for step, batch in enumerate(itertools.islice(data.dataset, steps)):
                 hooks.on_predict_batch_begin(step)
                 per_replica = self._run_step(self.predict_step, batch, None)
                 outputs.append(map_structure(lambda t: strategy.gather(t, axis=0), per_replica))
+                rows.append(_known_size(data, step))
                 hooks.on_predict_batch_end(step, {})
         hooks.on_predict_end()
         if not outputs:
             raise InvalidArgumentError("predict got no data")
-        return _concatenate(outputs)
+        return _concatenate(outputs, rows)
 
     def _read_trained_variables(self) -> None:
         """Under `ParameterServerStrategy`: the chief's copies of the variables read
@@ -595,10 +632,19 @@ def _wants_batch_logs(hooks: CallbackList) -> bool:
     return False
 
 
-def _concatenate(outputs: list[Any]) -> Any:
+def _known_size(data: Data, step: int) -> int | None:
+    """Step ``step``'s global batch size where the loader says it, else None."""
+    if data.sizes is None or (data.steps is not None and step >= data.steps):
+        return None
+    return data.sizes(step)
+
+
+def _concatenate(outputs: list[Any], rows: list[int | None]) -> Any:
+    """The steps' outputs concatenated on the host, each cut to its step's ``rows``
+    (a batch padded to the full size, under `TPUStrategy`, has fewer examples)."""
     first = outputs[0]
     if isinstance(first, dict):
-        return {k: _concatenate([o[k] for o in outputs]) for k in first}
+        return {k: _concatenate([o[k] for o in outputs], rows) for k in first}
     if isinstance(first, (list, tuple)):
-        return [_concatenate([o[i] for o in outputs]) for i in range(len(first))]
-    return np.concatenate([o.detach().cpu().numpy() for o in outputs])
+        return [_concatenate([o[i] for o in outputs], rows) for i in range(len(first))]
+    return np.concatenate([o.detach().cpu().numpy()[:n] for o, n in zip(outputs, rows)])

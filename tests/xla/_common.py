@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -173,3 +175,180 @@ def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     assert got.keys() == want.keys()
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, atol=1e-5, rtol=0, msg=name)
+
+
+# -- ds.Model under TPUStrategy (issue #30) ---------------------------------------------
+
+#: fit's data: 300 = 9 x 32 + 12 examples, a partial last batch (padded on XLA).
+FIT_EXAMPLES, FIT_BATCH, FIT_EPOCHS = 300, 32, 3
+FIT_STEPS = -(-FIT_EXAMPLES // FIT_BATCH)
+
+
+def _optimizer(kind: str) -> Any:
+    if kind == "momentum":  # torch's rule, as a user passes it
+        return lambda params: torch.optim.SGD(params, lr=0.2, momentum=0.9)
+    return kind  # a Keras name: Keras's rule (distribute.training.optimizers)
+
+
+def _xla_counters() -> tuple[int, int]:
+    """(graphs compiled, XLA executions) so far in this process."""
+    import torch_xla.debug.metrics as met
+
+    from distribute.collectives import xla
+
+    runs = sum(int(met.counter_value(n) or 0) for n in ("ExecuteReplicated", "ExecuteComputation"))
+    return xla.compile_count(), runs
+
+
+class EpochCounters(ds.callbacks.Callback):
+    """Graphs compiled and XLA executions during each epoch (epoch hooks only: fit
+    then reads no batch logs, so it reads each execution's while the next runs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.compiles: list[int] = []
+        self.executions: list[int] = []
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._start = _xla_counters()
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        compiles, runs = _xla_counters()
+        self.compiles.append(compiles - self._start[0])
+        self.executions.append(runs - self._start[1])
+
+
+class BatchCalls(ds.callbacks.Callback):
+    """The batch hooks fit calls, and the loss each end sees (fit reads batch logs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+        self.losses: list[float] = []
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self.calls.append(("begin", batch))
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self.calls.append(("end", batch))
+        self.losses.append(float((logs or {})["loss"]))
+
+
+def fit_run(
+    strategy: ds.Strategy,
+    optimizer: str = "momentum",
+    steps_per_execution: int = 1,
+    callback: ds.callbacks.Callback | None = None,
+) -> dict[str, Any]:
+    """`ds.Model` built in `strategy`'s scope from fixed weights, compiled with
+    accuracy, fit for 3 shuffled epochs with a partial last batch, then evaluated and
+    asked to predict on the same arrays: the history, the final weights, evaluate's
+    loss and accuracy, and the predictions (host arrays)."""
+    x, y = data(FIT_EXAMPLES)
+    reference = mlp()
+    with strategy.scope():
+        net = mlp()
+        net.load_state_dict(reference.state_dict())
+        model = ds.Model(net)
+    model.compile(
+        optimizer=_optimizer(optimizer),
+        loss=torch.nn.CrossEntropyLoss(),
+        metrics=["accuracy"],
+        steps_per_execution=steps_per_execution,
+    )
+    torch.manual_seed(1)  # the shuffling seed
+    history = model.fit(
+        x.numpy(),
+        y.numpy(),
+        batch_size=FIT_BATCH,
+        epochs=FIT_EPOCHS,
+        verbose=0,
+        callbacks=[callback] if callback is not None else [],
+    )
+    loss, accuracy = model.evaluate(x.numpy(), y.numpy(), batch_size=FIT_BATCH, verbose=0)
+    predictions = model.predict(x.numpy(), batch_size=FIT_BATCH, verbose=0)
+    return {
+        "history": dict(history.history),
+        "weights": {k: v.detach().cpu() for k, v in net.state_dict().items()},
+        "evaluate": (loss, accuracy),
+        "predictions": predictions,
+    }
+
+
+def assert_same_run(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """fit's history, the weights, evaluate and predict within 1e-5; accuracy exact."""
+    assert_same_history(got["history"], want["history"])
+    assert_same_weights(got["weights"], want["weights"])
+    (loss, accuracy), (want_loss, want_accuracy) = got["evaluate"], want["evaluate"]
+    assert abs(loss - want_loss) < 1e-5 and accuracy == want_accuracy
+    predictions = got["predictions"]
+    assert isinstance(predictions, np.ndarray) and predictions.shape == (FIT_EXAMPLES, 3)
+    np.testing.assert_allclose(predictions, want["predictions"], atol=1e-5, rtol=0)
+
+
+@functools.cache
+def counted_fit_run(
+    strategy: ds.Strategy, optimizer: str, steps_per_execution: int
+) -> tuple[dict[str, Any], EpochCounters]:
+    """`fit_run` under `strategy`, once per process for each case, with its counters."""
+    counters = EpochCounters()
+    return fit_run(strategy, optimizer, steps_per_execution, counters), counters
+
+
+@functools.cache
+def default_fit_run(optimizer: str) -> dict[str, Any]:
+    """`fit_run` under the default strategy (steps_per_execution changes no number)."""
+    return fit_run(ds.get_strategy(), optimizer)
+
+
+#: Batch hooks of one epoch of FIT_STEPS (10) steps with steps_per_execution=4:
+#: Keras's, every 4 steps, the last group short.
+BATCH_CALLS_EVERY_4 = [("begin", 0), ("end", 3), ("begin", 4), ("end", 7), ("begin", 8), ("end", 9)]
+
+
+def train_in_executions(
+    strategy: ds.TPUStrategy, x: torch.Tensor, y: torch.Tensor, every: int
+) -> tuple[tuple[list[float], dict[str, torch.Tensor]], int]:
+    """`train` written with ``every`` `run` calls per ``strategy.one_execution()``
+    (losses read after each execution): the losses and weights, and the XLA
+    executions the loop took."""
+    reference = mlp(hidden=24)  # a width no other test compiles
+    with strategy.scope():
+        model = mlp(hidden=24)
+        model.load_state_dict(reference.state_dict())
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+
+    def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        per_example = torch.nn.functional.cross_entropy(model(xb), yb, reduction="none")
+        loss = ds.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    batches = list(strategy.experimental_distribute_dataset(loader(x, y)))
+    losses: list[float] = []
+    before = _xla_counters()[1]
+    for start in range(0, len(batches), every):
+        with strategy.one_execution():
+            outs = [strategy.run(step, args=batch) for batch in batches[start : start + every]]
+        losses += [float(strategy.reduce("sum", out, axis=None)) for out in outs]
+    runs = _xla_counters()[1] - before
+    return (losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}), runs
+
+
+def cpu_reference_of_width(
+    x: torch.Tensor, y: torch.Tensor, hidden: int
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """`cpu_reference` for an MLP of another width."""
+    model = mlp(hidden=hidden)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    losses = []
+    for xb, yb in loader(x, y):
+        loss = torch.nn.functional.cross_entropy(model(xb), yb, reduction="none").sum()
+        loss = loss / GLOBAL_BATCH
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

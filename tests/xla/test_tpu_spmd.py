@@ -9,18 +9,29 @@ import pytest
 
 pytest.importorskip("torch_xla", reason="needs torch_xla (the XLA lane: .ci/xla)")
 
+import numpy as np
 import torch
 import torch_xla
 from _common import (
+    BATCH_CALLS_EVERY_4,
+    FIT_EPOCHS,
+    FIT_STEPS,
     GLOBAL_BATCH,
+    BatchCalls,
     assert_close_to_reference,
     assert_same_history,
+    assert_same_run,
     assert_same_weights,
+    counted_fit_run,
     cpu_reference,
+    cpu_reference_of_width,
     data,
+    default_fit_run,
     fit_history,
+    fit_run,
     initial_weights,
     train,
+    train_in_executions,
     written_once,
 )
 
@@ -221,3 +232,57 @@ def test_plain_host_tensors_reach_the_program_s_device(strategy: ds.TPUStrategy)
     replicated = strategy.experimental_replicate_to_logical_devices(host)
     for placed in (split, replicated):
         assert placed.device.type == "xla" and torch.equal(placed.cpu(), host)
+
+
+# -- ds.Model under TPUStrategy (issue #30) -----------------------------------------------
+
+#: XLA executions in an epoch of 10 steps: one program per step, or per execution of
+#: 4, 4 and 2 steps.
+EXECUTIONS_PER_EPOCH = {1: FIT_STEPS, 4: 3}
+
+FIT_CASES = [("momentum", 1), ("momentum", 4), ("adam", 4)]
+FIT_IDS = [f"{optimizer}-spe{every}" for optimizer, every in FIT_CASES]
+
+
+@pytest.mark.parametrize(("optimizer", "every"), FIT_CASES, ids=FIT_IDS)
+def test_fit_evaluate_and_predict_match_the_default_strategy(
+    strategy: ds.TPUStrategy, optimizer: str, every: int
+) -> None:
+    """Momentum SGD (torch's) and Adam (Keras's), one or 4 steps per execution: the
+    epochs' losses, accuracy, weights, evaluate and predict (host arrays, in input
+    order, the padded last batch's extra rows dropped) as under the default strategy."""
+    got, _ = counted_fit_run(strategy, optimizer, every)
+    assert_same_run(got, default_fit_run(optimizer))
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_fit_compiles_nothing_after_its_first_epoch(strategy: ds.TPUStrategy, every: int) -> None:
+    _, counters = counted_fit_run(strategy, "momentum", every)
+    assert counters.compiles[1:] == [0, 0], counters.compiles
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_steps_per_execution_steps_run_as_one_xla_execution(
+    strategy: ds.TPUStrategy, every: int
+) -> None:
+    _, counters = counted_fit_run(strategy, "momentum", every)
+    assert counters.executions[1:] == [EXECUTIONS_PER_EPOCH[every]] * 2, counters.executions
+
+
+def test_batch_callbacks_run_every_steps_per_execution_steps_with_the_default_logs(
+    strategy: ds.TPUStrategy,
+) -> None:
+    got, want = BatchCalls(), BatchCalls()
+    fit_run(strategy, "momentum", 4, got)
+    fit_run(ds.get_strategy(), "momentum", 4, want)
+    assert got.calls == want.calls == BATCH_CALLS_EVERY_4 * FIT_EPOCHS
+    np.testing.assert_allclose(got.losses, want.losses, atol=1e-5, rtol=0)
+
+
+def test_one_execution_runs_a_custom_loop_s_steps_as_one_xla_execution(
+    strategy: ds.TPUStrategy,
+) -> None:
+    x, y = data()
+    got, runs = train_in_executions(strategy, x, y, every=8)
+    assert_close_to_reference(got, cpu_reference_of_width(x, y, hidden=24))
+    assert runs == 3, runs  # 8, 8 and 4 steps

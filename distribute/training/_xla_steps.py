@@ -1,0 +1,152 @@
+"""`fit`'s ``steps_per_execution`` steps as one XLA execution, under `TPUStrategy`.
+
+# NOTE [steps per execution]
+TPU users set Keras's ``steps_per_execution=N`` so that the device runs N training
+steps per call from the host, not one: Keras compiles a ``tf.function`` whose body
+loops over N steps. torch_xla records operations lazily and executes what it
+recorded when a step is marked, so the same effect needs only that nothing ends
+the XLA step, or reads a value, between the N steps:
+
+* `TPUStrategy.one_execution()` makes ``run`` leave the step open; leaving it marks
+  one step on every device: the N steps are one graph, compiled once (the same N
+  steps give the same graph every time) and executed once.
+* ``fit`` reads each step's loss (``strategy.reduce`` then ``float``) and the
+  running metrics only after the execution: a read inside it would execute the
+  graph recorded so far. Batch callbacks run every N steps (Keras's rule), after
+  the execution, so they see the logs of its last step.
+* The last execution of an epoch may hold fewer steps (the epoch's steps modulo
+  N): one more graph, compiled in the first epoch and reused in the next ones.
+  A partial last batch under `TPUStrategy` is already padded to the full batch
+  (`_data._PadToFull`), so it adds no graph of its own.
+
+In SPMD mode the N steps are one program over every device (GSPMD inserts the
+gradients' all-reduce): one execution per N steps. In replica mode the
+optimizer's gradient sum meets on the host at every step (NOTE [host reduction]
+in `collectives/xla.py`: the CPU backend has no per-device collectives in one
+process), which executes the graph up to that step's gradients; what the
+execution saves there is the update's own execution per step (N + 1 executions
+per N steps instead of 2 N). Other strategies have no graph to fuse: they run one
+step per execution and ``steps_per_execution`` only spaces the callbacks.
+
+Example::
+
+    executions = StepExecutions(strategy, steps_per_execution=8)
+    with executions:
+        executions.run(16, strategy.run, step, (batch,))
+        if executions.full:
+            for size, logs in executions.finish():   # the 8 steps have run
+                ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from distribute.strategies.tpu import TPUStrategy
+from distribute.values import DistributedValues, flatten, map_structure
+
+__all__ = ["StepExecutions"]
+
+#: A step's global batch size and the logs its ``train_step`` returned.
+Step = tuple[int, Any]
+
+
+class StepExecutions:
+    """Steps grouped into executions of ``steps_per_execution`` steps where the
+    strategy records steps into one XLA graph (`TPUStrategy`), else of one step.
+
+    Use it as a context manager around the loop: leaving it (an error included)
+    ends an execution still open, so the strategy marks its steps again.
+
+    Args:
+        strategy: the strategy that runs the steps.
+        steps_per_execution: Keras's ``steps_per_execution``.
+    """
+
+    def __init__(self, strategy: Any, steps_per_execution: int) -> None:
+        self._strategy = strategy
+        self._xla = isinstance(strategy, TPUStrategy)
+        #: Steps per execution: ``steps_per_execution`` on XLA, else 1.
+        self.size = steps_per_execution if self._xla else 1
+        self._open: contextlib.ExitStack | None = None
+        self._steps: list[Step] = []  # the open execution's
+        self._launched: list[list[Step]] = []  # executions ended, their logs not read yet
+
+    def run(self, size: int, step: Callable[..., Any], *args: Any) -> None:
+        """Runs ``step(*args)`` (one ``strategy.run`` of a step of global batch size
+        ``size``) in the current execution, opening one where none is; its logs come
+        back from `finish`."""
+        if self._open is None and self.size > 1:
+            self._open = contextlib.ExitStack()
+            self._open.enter_context(self._strategy.one_execution())
+        self._steps.append((size, step(*args)))
+
+    @property
+    def full(self) -> bool:
+        """Whether the current execution holds its ``size`` steps."""
+        return len(self._steps) >= self.size
+
+    @property
+    def pending(self) -> bool:
+        """Whether steps have run whose logs `finish` has not returned yet."""
+        return bool(self._steps or self._launched)
+
+    def finish(self, wait: bool = True) -> list[Step]:
+        """Ends the current execution (the devices start it) and returns, in order, the
+        steps whose logs are read now, their XLA tensors copied to the host in one
+        transfer: with ``wait``, every step so far; without, on XLA, those of the
+        executions before this one, read while this one runs (nothing waits for the
+        devices until the next execution is recorded and started)."""
+        self._close()
+        if self._steps:
+            self._launched.append(self._steps)
+            self._steps = []
+        keep = self._launched[-1:] if self._xla and not wait else []
+        ready = self._launched[: len(self._launched) - len(keep)]
+        self._launched = keep
+        steps = [step for execution in ready for step in execution]
+        return _on_host(steps) if self._xla else steps
+
+    def _close(self) -> None:
+        scope, self._open = self._open, None
+        if scope is not None:
+            scope.close()
+
+    def __enter__(self) -> StepExecutions:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._close()
+
+
+def _on_host(steps: list[Step]) -> list[Step]:
+    """The steps' logs with every XLA tensor (per-replica components included) copied
+    to the host, in one transfer per device."""
+    from distribute.collectives import xla
+
+    tensors: dict[int, torch.Tensor] = {}
+    for _, logs in steps:
+        for leaf in flatten(logs):
+            for part in leaf.values if isinstance(leaf, DistributedValues) else (leaf,):
+                if isinstance(part, torch.Tensor) and part.device.type == "xla":
+                    tensors[id(part)] = part
+    if not tensors:
+        return steps
+    host = dict(zip(tensors, xla.to_host(list(tensors.values()))))
+
+    def swap(leaf: Any) -> Any:
+        if isinstance(leaf, DistributedValues):
+            return type(leaf)(tuple(host.get(id(part), part) for part in leaf.values))
+        return host.get(id(leaf), leaf)
+
+    return [(size, map_structure(swap, logs)) for size, logs in steps]
