@@ -389,9 +389,8 @@ class Model(torch.nn.Module):
 
         def settle(index: int, wait: bool) -> tuple[bool, tuple[int, dict[str, float]]]:
             """Ends the execution (``index``: its last step) and reads the logs of its
-            steps (without ``wait``, on XLA, the previous execution's: nobody reads
-            batch logs, and the host records the next steps meanwhile): whether to
-            stop, and the batch logs."""
+            steps (without ``wait``, on XLA, none yet: nobody reads batch logs, and
+            a read would wait for the devices): whether to stop, and the batch logs."""
             nonlocal total, count, reduced
             steps = executions.finish(wait)
             stop = False

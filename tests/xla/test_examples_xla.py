@@ -46,3 +46,30 @@ def test_the_reference_page_examples_run_as_written() -> None:
     assert logical["num_replicas"] == 2
     assert logical["devices"] == ["xla:0", "xla:2"]  # logical device 0 of replicas 0 and 1
     assert logical["values"] == [[[2.0, 2.0, 2.0]], [[2.0, 2.0, 2.0]]]
+
+
+def _same_fine_tuning(got: dict[str, object], want: dict[str, object]) -> None:
+    for key in ("loss", "val_loss"):
+        got_values, want_values = got[key], want[key]
+        assert isinstance(got_values, list) and isinstance(want_values, list)
+        assert len(got_values) == len(want_values) == 3
+        assert max(abs(a - b) for a, b in zip(got_values, want_values)) < 1e-5, (key, got, want)
+    assert got["val_accuracy"] == want["val_accuracy"]
+    assert got["predict_accuracy"] == want["predict_accuracy"]
+
+
+def test_bert_fine_tuned_with_fit_on_xla_devices_has_the_default_strategy_s_losses() -> None:
+    pytest.importorskip("transformers", reason="the BERT example needs transformers")
+    (default,) = _run("examples/bert_tpu_fit.py")
+    (tpu,) = _run("examples/bert_tpu_fit.py", "--strategy", "tpu")
+    assert tpu["replicas_in_sync"] == 4 and not tpu["spmd"]
+    _same_fine_tuning(tpu, default)
+
+
+@pytest.mark.spmd
+def test_bert_fine_tuned_with_fit_as_one_spmd_program_has_the_default_strategy_s_losses() -> None:
+    pytest.importorskip("transformers", reason="the BERT example needs transformers")
+    (default,) = _run("examples/bert_tpu_fit.py")
+    (tpu,) = _run("examples/bert_tpu_fit.py", "--strategy", "tpu", "--spmd")
+    assert tpu["replicas_in_sync"] == 4 and tpu["spmd"]
+    _same_fine_tuning(tpu, default)

@@ -283,12 +283,11 @@ def test_a_partial_last_batch_compiles_one_program_per_shape_not_per_device(
 
 # -- ds.Model under TPUStrategy (issue #30) -----------------------------------------------
 
-#: XLA executions in an epoch of 10 steps, over the 4 devices. The gradients meet on
+#: XLA executions in an epoch of 10 steps, over the 4 devices: the gradients meet on
 #: the host at every step (NOTE [host reduction]), which executes each device's graph
-#: up to them; ending the step executes the update: 2 per step and device. Steps in
-#: one execution leave the update to the next step's graph: 1 per step and device,
-#: and one per execution (4, 4, 2 steps).
-EXECUTIONS_PER_EPOCH = {1: 4 * 2 * FIT_STEPS, 4: 4 * (FIT_STEPS + 3)}
+#: up to them, and ending the step executes the update: 2 per step and device, with
+#: steps_per_execution 4 as with 1 (replica mode does not fuse steps).
+EXECUTIONS_PER_EPOCH = {1: 4 * 2 * FIT_STEPS, 4: 4 * 2 * FIT_STEPS}
 
 FIT_CASES = [("momentum", 1), ("momentum", 4), ("adam", 4)]
 FIT_IDS = [f"{optimizer}-spe{every}" for optimizer, every in FIT_CASES]
@@ -312,7 +311,7 @@ def test_fit_compiles_nothing_after_its_first_epoch(strategy: ds.TPUStrategy, ev
 
 
 @pytest.mark.parametrize("every", [1, 4])
-def test_steps_per_execution_steps_run_as_one_xla_execution(
+def test_steps_per_execution_leaves_two_executions_per_step_in_replica_mode(
     strategy: ds.TPUStrategy, every: int
 ) -> None:
     _, counters = counted_fit_run(strategy, "momentum", every)
@@ -329,10 +328,10 @@ def test_batch_callbacks_run_every_steps_per_execution_steps_with_the_default_lo
     np.testing.assert_allclose(got.losses, want.losses, atol=1e-5, rtol=0)
 
 
-def test_one_execution_runs_a_custom_loop_s_steps_as_one_xla_execution(
+def test_one_execution_leaves_each_run_its_own_steps_in_replica_mode(
     strategy: ds.TPUStrategy,
 ) -> None:
     x, y = data()
     got, runs = train_in_executions(strategy, x, y, every=8)
     assert_close_to_reference(got, cpu_reference_of_width(x, y, hidden=24))
-    assert runs == 4 * (20 + 3), runs  # per device: each step's gradients, and each execution
+    assert runs == 4 * 2 * 20, runs  # per step and device: the gradients, the update
