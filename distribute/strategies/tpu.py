@@ -10,11 +10,11 @@ Two modes, one API:
 * **SPMD mode** (``experimental_spmd_xla_partitioning=True``): one program over
   every device through `torch_xla.distributed.spmd`. `fn` runs ONCE, over the
   global batch, whose dim 0 is sharded along the mesh's ``"data"`` axis; variables
-  are replicated (or split by `experimental_split_to_logical_devices`), and GSPMD
-  inserts the collectives. Values `fn` returns are global: `reduce` returns them
-  (they already combine every replica), `gather` returns them, and
-  `experimental_local_results(v)` is ``(v,)``. Inside `fn` the losses helpers count
-  one program (`compute_average_loss` divides by the global batch).
+  are replicated (or split by `experimental_split_to_logical_devices`, or laid out
+  by a ``layout_map``), and GSPMD inserts the collectives. Values `fn` returns are
+  global: `reduce` returns them (they already combine every replica), `gather`
+  returns them, and `experimental_local_results(v)` is ``(v,)``. Inside `fn` the
+  losses helpers count one program (`compute_average_loss` divides by the global batch).
 
 Each `run` ends an XLA step on the devices it used (NOTE [XLA steps]), so a loop
 compiles one graph per input shape. Keep shapes static: batch with
@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import math
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -51,9 +52,11 @@ from distribute.collectives import xla
 from distribute.data._xla_input import XlaShardedDataset, global_batches
 from distribute.data.options import InputOptions
 from distribute.errors import InvalidArgumentError
+from distribute.strategies._layout import LayoutMap, resolve_layouts
 from distribute.strategies._replicated import ReplicatedExtended
 from distribute.strategies.base import Strategy
 from distribute.tpu import DeviceAssignment, initialize_tpu_system
+from distribute.variables import DistributedVariable
 
 __all__ = ["TPUStrategy"]
 
@@ -150,6 +153,42 @@ class _SpmdLayout:
         return tensor
 
 
+class _LaidOutExtended(ReplicatedExtended):
+    """SPMD mode with a ``layout_map``: remembers which module holds which submodule
+    (a variable's path is known once its model is built) and hands the variables it
+    placed to `TPUStrategy._lay_out` when the outermost scope is left, or at `run`."""
+
+    def __init__(self, strategy: TPUStrategy, devices: Sequence[str]) -> None:
+        super().__init__(strategy, devices, wrap_single_values=False)
+        self._parents: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._placed: list[DistributedVariable] = []
+
+    def _capture_submodule(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
+        self._parents[child] = parent
+
+    def _register_variable(self, var: DistributedVariable) -> None:
+        super()._register_variable(var)
+        self._placed.append(var)
+
+    def _lay_out_placed(self) -> None:
+        placed, self._placed = self._placed, []
+        if placed:
+            strategy: TPUStrategy = self._container_strategy  # type: ignore[assignment]
+            strategy._lay_out(placed, self._parents)
+
+    def _exit_scope(self) -> None:
+        outermost = context._scope_depth(self._container_strategy) == 1
+        super()._exit_scope()
+        if outermost:
+            self._lay_out_placed()
+
+    def _before_run(self) -> None:
+        super()._before_run()
+        self._lay_out_placed()
+
+
 class TPUStrategy(Strategy):
     """Synchronous data parallelism on XLA devices (TPUs, or torch_xla's CPU backend).
 
@@ -162,10 +201,22 @@ class TPUStrategy(Strategy):
             use (`ds.tpu.DeviceAssignment.build`); None: one replica per device.
         experimental_spmd_xla_partitioning: run one SPMD program over every device
             (see the module docstring) instead of one replica per device.
+        layout_map: SPMD mode only: a ``ds.experimental.LayoutMap`` (the one
+            `ModelParallelStrategy` takes) over a ``DeviceMesh`` of shape
+            ``(num_replicas, cores_per_replica)`` with axes ``("data", "model")``.
+            The parameters and buffers of modules built in the scope whose path
+            (``named_parameters()`` style, from the outermost module built there) has
+            a layout are sharded for GSPMD as it says (each named axis splits its
+            dimension; None: whole); every other variable, and a ``ds.Variable``
+            (which has no path), is replicated. The numbers stay the default
+            strategy's.
 
     Raises:
         InvalidArgumentError: torch_xla is not installed; replica mode in a process
-            already in SPMD mode; an SPMD assignment that does not cover every device.
+            already in SPMD mode; an SPMD assignment that does not cover every device;
+            a ``layout_map`` in replica mode, or over a mesh whose axis names or shape
+            are not the device assignment's; a layout whose length is not its
+            variable's number of dimensions (raised when the scope is left).
         XlaAutogradError: the process ran its first backward before torch_xla's
             runtime started, so autograd can never run one on an XLA device in it
             (create the strategy, or call `ds.tpu.initialize_tpu_system`, first).
@@ -177,6 +228,24 @@ class TPUStrategy(Strategy):
         strategy.num_replicas_in_sync                    # 4
         strategy.run(lambda: ds.get_replica_context().replica_id_in_sync_group)
         # PerReplica(0, 1, 2, 3)
+
+    Model parallelism with a layout map (2 replicas x 2 cores over 4 devices)::
+
+        topology = ds.tpu.initialize_tpu_system()
+        assignment = ds.tpu.DeviceAssignment.build(topology, [1, 1, 1, 2], num_replicas=2)
+        mesh = ds.experimental.DeviceMesh((2, 2), ("data", "model"))
+        layout_map = ds.experimental.LayoutMap(mesh)
+        layout_map[r"0\\.weight"] = ("model", None)      # torch Linear weight: (out, in)
+        layout_map[r"2\\.weight"] = (None, "model")
+        strategy = ds.TPUStrategy(
+            experimental_device_assignment=assignment,
+            experimental_spmd_xla_partitioning=True,
+            layout_map=layout_map,
+        )
+        with strategy.scope():
+            model = torch.nn.Sequential(
+                torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
+            )
     """
 
     #: ds.Model pads partial batches to the full size (weight 0) under this strategy.
@@ -187,7 +256,14 @@ class TPUStrategy(Strategy):
         tpu_cluster_resolver: TPUClusterResolver | None = None,
         experimental_device_assignment: DeviceAssignment | None = None,
         experimental_spmd_xla_partitioning: bool = False,
+        layout_map: LayoutMap | None = None,
     ) -> None:
+        if layout_map is not None and not experimental_spmd_xla_partitioning:
+            raise InvalidArgumentError(
+                "layout_map lays variables out for GSPMD, which needs SPMD mode; pass "
+                "experimental_spmd_xla_partitioning=True (replica mode keeps a whole copy "
+                "of every variable per replica)"
+            )
         xla.require_torch_xla()
         xr = xla.runtime()
         if not experimental_spmd_xla_partitioning and xr.is_spmd():
@@ -206,13 +282,20 @@ class TPUStrategy(Strategy):
         self._spmd = bool(experimental_spmd_xla_partitioning)
         self._layout: _SpmdLayout | None = None
         self._executions = threading.local()  # `open`: one_execution()s open in a thread
+        self._layout_map = layout_map
         if self._spmd:
             _SpmdLayout.check(assignment, num_devices)  # before SPMD mode, which is for good
+            if layout_map is not None:
+                self._check_layout_map(layout_map, assignment)
             if not xr.is_spmd():
                 xr.use_spmd()  # before any XLA tensor of this process exists
             self._layout = _SpmdLayout(assignment, num_devices)
             self._step_devices = [torch.device(_SPMD_DEVICE)]
-            extended = ReplicatedExtended(self, [_SPMD_DEVICE], wrap_single_values=False)
+            extended = (
+                _LaidOutExtended(self, [_SPMD_DEVICE])
+                if layout_map is not None
+                else ReplicatedExtended(self, [_SPMD_DEVICE], wrap_single_values=False)
+            )
         else:
             devices = [
                 f"xla:{assignment.tpu_ordinal(r, 0)}" for r in range(assignment.num_replicas)
@@ -247,6 +330,61 @@ class TPUStrategy(Strategy):
     def spmd(self) -> bool:
         """Whether this strategy runs one SPMD program over every device."""
         return self._spmd
+
+    # -- layout map (SPMD) ------------------------------------------------------------
+
+    @staticmethod
+    def _check_layout_map(layout_map: Any, assignment: DeviceAssignment) -> None:
+        """Refuses a map whose mesh is not the SPMD mesh of ``assignment``."""
+        if not isinstance(layout_map, LayoutMap):
+            raise InvalidArgumentError(
+                f"layout_map must be a ds.experimental.LayoutMap, got {type(layout_map).__name__}"
+            )
+        mesh = layout_map.device_mesh
+        want_shape = (assignment.num_replicas, assignment.num_cores_per_replica)
+        want_names = ("data", "model")
+        if mesh.axis_names != want_names or mesh.shape != want_shape:
+            raise InvalidArgumentError(
+                f"layout_map's mesh has axis_names={mesh.axis_names} and shape={mesh.shape}, "
+                f"but the device assignment's SPMD mesh has axis_names={want_names} and "
+                f"shape={want_shape} (num_replicas, cores_per_replica); build the LayoutMap "
+                f"over ds.experimental.DeviceMesh({want_shape}, {want_names})"
+            )
+
+    def _lay_out(
+        self,
+        placed: Sequence[DistributedVariable],
+        parents: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module],
+    ) -> None:
+        """Annotates variables just placed on the device for GSPMD: each module
+        variable as the layout map says for its path from its outermost module (the
+        layouts checked by `resolve_layouts` first), every other one replicated."""
+        assert self._layout is not None and self._layout_map is not None
+        xs, mesh = self._layout._xs, self._layout.mesh
+        todo = {id(v): v for v in placed}
+        roots: dict[int, torch.nn.Module] = {}
+        for var in placed:
+            for ref, _, _ in var._ds_owners:
+                module = ref()
+                seen: set[int] = set()
+                while module is not None and id(module) not in seen:
+                    seen.add(id(module))
+                    parent = parents.get(module)
+                    if parent is None:
+                        roots.setdefault(id(module), module)
+                    module = parent
+        specs: dict[int, tuple[str | None, ...]] = {}
+        for root in roots.values():
+            layouts = resolve_layouts(self._layout_map, root)
+            tensors: dict[str, torch.Tensor] = dict(root.named_parameters(remove_duplicate=False))
+            tensors.update(root.named_buffers(remove_duplicate=False))
+            for path, layout in layouts.items():
+                tensor = tensors[path]
+                if id(tensor) in todo and layout is not None:
+                    specs.setdefault(id(tensor), layout.axes)
+        for key, var in todo.items():
+            spec = specs.get(key, (None,) * var.dim())
+            xs.mark_sharding(var, mesh, spec)
 
     # -- run ------------------------------------------------------------------------
 

@@ -9,6 +9,8 @@ import pytest
 
 pytest.importorskip("torch_xla", reason="needs torch_xla (the XLA lane: .ci/xla)")
 
+from typing import Any
+
 import numpy as np
 import torch
 import torch_xla
@@ -30,6 +32,7 @@ from _common import (
     fit_history,
     fit_run,
     initial_weights,
+    loader,
     train,
     train_in_executions,
     written_once,
@@ -286,3 +289,104 @@ def test_one_execution_runs_a_custom_loop_s_steps_as_one_xla_execution(
     got, runs = train_in_executions(strategy, x, y, every=8)
     assert_close_to_reference(got, cpu_reference_of_width(x, y, hidden=24))
     assert runs == 3, runs  # 8, 8 and 4 steps
+
+
+# -- layout_map: the ModelParallelStrategy's LayoutMap, annotated for GSPMD ---------------
+
+
+def _two_by_two() -> ds.tpu.DeviceAssignment:
+    topology = ds.tpu.initialize_tpu_system(ds.cluster_resolver.TPUClusterResolver())
+    return ds.tpu.DeviceAssignment.build(topology, [1, 1, 1, 2], num_replicas=2)
+
+
+def _layout_map(
+    shape: tuple[int, int] = (2, 2), names: tuple[str, str] = ("data", "model")
+) -> ds.experimental.LayoutMap:
+    layout_map = ds.experimental.LayoutMap(ds.experimental.DeviceMesh(shape, names))
+    if names == ("data", "model"):
+        layout_map[r"^0\.weight$"] = ("model", None)  # torch Linear weight: (out, in)
+        layout_map[r"^2\.weight$"] = (None, "model")
+    return layout_map
+
+
+def _laid_out_strategy(layout_map: ds.experimental.LayoutMap | None = None) -> ds.TPUStrategy:
+    return ds.TPUStrategy(
+        experimental_device_assignment=_two_by_two(),
+        experimental_spmd_xla_partitioning=True,
+        layout_map=_layout_map() if layout_map is None else layout_map,
+    )
+
+
+def _layout_mlp() -> torch.nn.Sequential:
+    torch.manual_seed(5)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+#: Split 2 ways along the "model" axis (each replica's 2 cores: devices 0, 2 hold part
+#: 0 and 1, 3 part 1), whole along "data".
+_ROWS_SPLIT = "{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}"
+_COLS_SPLIT = "{devices=[1,2,2]0,2,1,3 last_tile_dim_replicate}"
+
+
+def _layout_train(strategy: ds.Strategy, steps: int = 4) -> tuple[list[float], dict[str, Any]]:
+    x, y = data(steps * GLOBAL_BATCH)  # 8 features, 3 classes (of the 4 outputs)
+    with strategy.scope():
+        model = _layout_mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        per_example = torch.nn.functional.cross_entropy(model(xb), yb, reduction="none")
+        loss = ds.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    losses = [
+        float(strategy.reduce("sum", strategy.run(step, args=batch), axis=None))
+        for batch in strategy.experimental_distribute_dataset(loader(x, y))
+    ]
+    specs = {name: _sharding(p) for name, p in model.named_parameters() if p.device.type == "xla"}
+    return losses, {"specs": specs, **{k: v.detach().cpu() for k, v in model.state_dict().items()}}
+
+
+def test_a_layout_map_shards_the_mapped_variables_and_replicates_the_others() -> None:
+    strategy = _laid_out_strategy()
+    with strategy.scope():
+        model = _layout_mlp()
+        free = ds.Variable(torch.ones(3))
+    assert _sharding(model[0].weight) == _ROWS_SPLIT
+    assert _sharding(model[2].weight) == _COLS_SPLIT
+    unmapped: list[torch.Tensor] = [model[0].bias, model[2].bias, free]
+    for tensor in unmapped:
+        assert _sharding(tensor) == "{replicated}"
+    torch.manual_seed(5)
+    for got, want in zip(model.parameters(), _layout_mlp().parameters()):
+        assert torch.equal(got.detach().cpu(), want.detach())
+
+
+def test_training_with_a_layout_map_matches_the_default_strategy() -> None:
+    got_losses, got = _layout_train(_laid_out_strategy())
+    want_losses, want = _layout_train(ds.get_strategy())
+    np.testing.assert_allclose(got_losses, want_losses, atol=1e-5, rtol=0)
+    specs = got.pop("specs")
+    want.pop("specs")
+    assert specs["0.weight"] == _ROWS_SPLIT and specs["2.weight"] == _COLS_SPLIT  # kept
+    assert_same_weights(got, want)
+
+
+def test_layout_map_misuse_is_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="needs SPMD mode"):
+        ds.TPUStrategy(layout_map=_layout_map())
+    with pytest.raises(ValueError, match=r"axis_names=\('batch', 'model'\).*\('data', 'model'\)"):
+        _laid_out_strategy(_layout_map(names=("batch", "model")))
+    with pytest.raises(ValueError, match=r"shape=\(1, 4\).*shape=\(2, 2\)"):
+        _laid_out_strategy(_layout_map(shape=(1, 4)))
+    wrong_rank = _layout_map()
+    wrong_rank[r"^0\.bias$"] = ("model", None)
+    strategy = _laid_out_strategy(wrong_rank)
+    with pytest.raises(ValueError, match=r"'0\.bias' is \('model', None\), with 2 entries"):
+        with strategy.scope():
+            _layout_mlp()
+    with pytest.raises(ValueError, match="names axis 'rows'"):
+        _layout_map()[r"^2\.bias$"] = ("rows",)
