@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from torch.futures import Future
 
+from distribute import _torch
 from distribute.errors import CollectiveTimeoutError, InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -108,7 +109,6 @@ class RpcTransport:
         Raises:
             CollectiveTimeoutError: tasks did not join within `timeout_seconds`.
         """
-        import torch.distributed.autograd as dist_autograd
         import torch.distributed.rpc as rpc
 
         generation = int(store.add(f"transport/starts/{rank}", 1)) - 1
@@ -130,9 +130,7 @@ class RpcTransport:
             _channels=["basic"],
         )
         # What init_rpc does after its own rendezvous; the store is ours (module doc).
-        dist_autograd._init(worker_id)  # type: ignore[attr-defined]  # private, as init_rpc calls it
-        backend = rpc.BackendType.TENSORPIPE  # type: ignore[attr-defined]  # an enum made at runtime
-        rpc._init_rpc_backend(backend, store, rpc_name, worker_id, None, options)  # type: ignore[no-untyped-call]  # untyped in torch
+        _torch.rpc_init_backend(store, rpc_name, worker_id, options)
         transport = cls(name, rpc_name, store, timeout_seconds)
         if generation == 0:
             transport._wait_for_everyone(rank, world_size)
@@ -173,11 +171,9 @@ class RpcTransport:
         if self._stopped or self._quiet:
             return
         self._quiet = True
-        import torch.distributed.rpc as rpc
-
         # A dynamic group's join: waits for this task's own calls to end and marks
         # its agent as shutting down, closing nothing (NOTE [quiet shutdown]).
-        rpc.api._get_current_rpc_agent().join(shutdown=True)  # type: ignore[attr-defined]  # private
+        _torch.rpc_current_agent().join(shutdown=True)
 
     def shutdown(self) -> None:
         if self._stopped:
@@ -211,7 +207,7 @@ class RpcTransport:
 
         futures = [
             (info.name, rpc.rpc_async(info.name, _renamed, args=(self._name, self._rpc_name)))
-            for info in rpc._get_current_rpc_agent().get_worker_infos()  # type: ignore[attr-defined]  # private
+            for info in _torch.rpc_current_agent().get_worker_infos()
             if info.name != self._rpc_name
         ]
         for member, future in futures:

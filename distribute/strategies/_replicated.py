@@ -56,6 +56,7 @@ from distribute.variables import (
 if TYPE_CHECKING:
     from distribute.collectives.cross_device_ops import CrossDeviceOps
     from distribute.data.options import InputContext, InputOptions, ValueContext
+    from distribute.gradients.base import StepHandler
     from distribute.strategies.base import Strategy
 
 __all__ = ["DEFAULT_TIMEOUT_SECONDS", "CrossWorker", "ReplicatedExtended", "parse_device"]
@@ -77,6 +78,7 @@ class ReplicatedExtended(StrategyExtended):
         timeout_seconds: how long a replica waits for the others in a collective.
         bytes_per_pack: pack size for gradient aggregation (0: one pack).
         cross_device_ops: in-process reduction for `reduce_to`/`batch_reduce_to`.
+        static_batch_shapes: every step must see batches of one shape (XLA).
     """
 
     def __init__(
@@ -90,8 +92,10 @@ class ReplicatedExtended(StrategyExtended):
         timeout_seconds: float | None = None,
         bytes_per_pack: int = 0,
         cross_device_ops: CrossDeviceOps | None = None,
+        static_batch_shapes: bool = False,
     ) -> None:
         super().__init__(container_strategy)
+        self._static_batch_shapes = static_batch_shapes
         if not devices:
             raise InvalidArgumentError("a strategy needs at least one device, got none")
         parsed = [parse_device(d) for d in devices]
@@ -141,12 +145,11 @@ class ReplicatedExtended(StrategyExtended):
         self._threads: ReplicaThreads | None = None
         self._thread_lock = threading.Lock()
         self._run_owner: threading.Thread | None = None
-        self._skip_grads = threading.local()
         self.experimental_aggregate_gradients = True
         self._no_sync_depth = 0
         from distribute.gradients.synchronous import SynchronousStepHandler
 
-        self._step_handler = SynchronousStepHandler(self)
+        self._step_handler: StepHandler = SynchronousStepHandler(_ReplicaGroup(self))
         weakref.finalize(self, _shutdown_threads, self._thread_holder())
 
     def _thread_holder(self) -> list[ReplicaThreads]:
@@ -172,6 +175,26 @@ class ReplicatedExtended(StrategyExtended):
 
     def _global_id(self, local: int) -> int:
         return self._worker_index * len(self._devices) + local
+
+    @property
+    def cross_worker(self) -> CrossWorker | None:
+        return self._cross_worker
+
+    @property
+    def worker_index(self) -> int:
+        return self._worker_index
+
+    @property
+    def num_workers(self) -> int:
+        return self._num_workers
+
+    @property
+    def step_handler(self) -> StepHandler:
+        return self._step_handler
+
+    @property
+    def static_batch_shapes(self) -> bool:
+        return self._static_batch_shapes
 
     def _set_workers(
         self, worker_index: int, num_workers: int, cross_worker: CrossWorker | None
@@ -461,7 +484,7 @@ class ReplicatedExtended(StrategyExtended):
             super()._exit_scope()
 
     def _skip_grads_in_this_replica(self) -> bool:
-        return bool(getattr(self._skip_grads, "value", False))
+        return self._step_handler.hides_gradients()
 
     @contextlib.contextmanager
     def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
@@ -617,6 +640,72 @@ class ReplicatedExtended(StrategyExtended):
             yield
         finally:
             self._no_sync_depth -= 1
+
+
+class _ReplicaGroup:
+    """The engine's replicas as the gradient layer sees them (`gradients.base.
+    ReplicaGroup`): read-only, and weak, so that the step handler the engine holds
+    does not keep the engine alive."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, engine: ReplicatedExtended) -> None:
+        self._ref = weakref.ref(engine)
+
+    @property
+    def _engine(self) -> ReplicatedExtended:
+        engine = self._ref()
+        assert engine is not None, "the strategy's engine is gone"
+        return engine
+
+    @property
+    def strategy(self) -> Strategy:
+        return self._engine._container_strategy
+
+    @property
+    def devices(self) -> tuple[torch.device, ...]:
+        return self._engine._devices
+
+    @property
+    def central_storage(self) -> bool:
+        return self._engine._central
+
+    @property
+    def cross_worker(self) -> CrossWorker | None:
+        return self._engine._cross_worker
+
+    @property
+    def num_workers(self) -> int:
+        return self._engine._num_workers
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._engine._num_replicas_in_sync()
+
+    @property
+    def bytes_per_pack(self) -> int:
+        return self._engine._bytes_per_pack
+
+    @property
+    def syncing(self) -> bool:
+        return self._engine._no_sync_depth == 0
+
+    @property
+    def layout_generation(self) -> int:
+        return self._engine._layout_generation
+
+    @property
+    def captures_modules(self) -> bool:
+        return self._engine._captures_modules
+
+    @property
+    def aggregate_gradients(self) -> bool:
+        return self._engine.experimental_aggregate_gradients
+
+    def exchange(
+        self, local: int, kind: str, payload: Any, combine: Callable[[list[Any]], Any]
+    ) -> Any:
+        return self._engine._exchange(local, kind, payload, combine)
 
 
 def _on_device(structure: Any, device: torch.device) -> Any:

@@ -74,8 +74,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from distribute import _torch
 from distribute.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -89,6 +89,11 @@ __all__ = [
     "UnitChooser",
     "choose_units",
 ]
+
+#: FSDP2's base classes of custom collectives (a private module of FSDP2).
+_AllGather: Any
+_ReduceScatter: Any
+_AllGather, _ReduceScatter = _torch.fsdp_comm_hook_bases()
 
 #: torch 2.13 renamed the *_tensor collectives (now deprecated) to *_single.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -275,8 +280,7 @@ class ShardedModules:
         module.set_gradient_divide_factor(1.0)
         if hasattr(module, "set_reduce_scatter_unused_params"):  # torch 2.11 lacks it
             module.set_reduce_scatter_unused_params(True, recurse=False)
-        state = module._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None) or []
+        groups = _torch.fsdp_param_groups(module)  # raises if torch moved them
         if len(groups) == 1:
             name = _module_name(root, module)
             module.set_custom_all_gather(_WatchedAllGather(self._collectives, groups[0], name))
@@ -424,17 +428,6 @@ def _module_name(root: torch.nn.Module, module: torch.nn.Module) -> str:
     return type(module).__name__
 
 
-def _phase(param_group: Any) -> str:
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
-    state: Any = getattr(param_group, "_training_state", None)
-    if state == TrainingState.FORWARD:
-        return "forward"
-    if state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
-        return "backward"
-    return "unshard"  # outside forward and backward (an explicit unshard)
-
-
 class _Watched:
     """Issues FSDP's collective asynchronously and waits for it under the strategy's
     deadline and diagnosis (`ProcessGroupCollectives.watch`)."""
@@ -450,10 +443,10 @@ class _Watched:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def _label(self, what: str) -> str:
-        return f"FSDP {what} of {self._name!r} ({_phase(self._group)})"
+        return f"FSDP {what} of {self._name!r} ({_torch.fsdp_phase(self._group)})"
 
 
-class _WatchedAllGather(_Watched, AllGather):
+class _WatchedAllGather(_Watched, _AllGather):  # type: ignore[misc]  # an FSDP base: Any
     def __call__(
         self,
         output_tensor: torch.Tensor,
@@ -469,7 +462,7 @@ class _WatchedAllGather(_Watched, AllGather):
         return None  # done: FSDP waits only for a returned work
 
 
-class _WatchedReduceScatter(_Watched, ReduceScatter):
+class _WatchedReduceScatter(_Watched, _ReduceScatter):  # type: ignore[misc]  # an FSDP base: Any
     def __call__(
         self,
         output_tensor: torch.Tensor,
@@ -567,8 +560,6 @@ class DeferredInit:
     """
 
     def __init__(self, chief_state: torch.Tensor | None, rank: int, size: int) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
         self._rank, self._size = rank, size
         self.shards: dict[int, torch.Tensor] = {}  # id(parameter) -> this worker's shard
         self._pending: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
@@ -577,13 +568,13 @@ class DeferredInit:
             self._stack.enter_context(torch.random.fork_rng(devices=[]))
             torch.set_rng_state(chief_state)
 
-        class Guard(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped in torch
+        class Guard(_torch.TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped in torch
             def __torch_dispatch__(
                 self, func: Any, types: Any, args: Any = (), kwargs: Any = None
             ) -> Any:
                 kwargs = kwargs or {}
                 if func._schema.name not in _METADATA_OPS:
-                    for a in torch.utils._pytree.tree_leaves((args, kwargs)):
+                    for a in _torch.tree_leaves((args, kwargs)):
                         if isinstance(a, torch.Tensor) and a.is_meta:
                             raise LateInitError(
                                 f"{func._schema.name} used a parameter after its module was "

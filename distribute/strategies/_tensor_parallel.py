@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from distribute import _torch
 from distribute.errors import InvalidArgumentError
 from distribute.strategies._layout import LayoutMap, TensorLayout, resolve_layouts, shard_dims
 
@@ -212,7 +213,6 @@ class GlobalView:
         if depth:
             return None
         from torch.distributed.tensor import DTensor, Replicate
-        from torch.utils._pytree import tree_map_only
 
         stack = contextlib.ExitStack()
         stack.enter_context(plain_is_replicated())
@@ -228,7 +228,7 @@ class GlobalView:
                 return t
             return DTensor.from_local(t, self._mesh, replicate, run_check=False)
 
-        converted: tuple[tuple[Any, ...], dict[str, Any]] = tree_map_only(
+        converted: tuple[tuple[Any, ...], dict[str, Any]] = _torch.tree_map_only(
             torch.Tensor, to_dtensor, (args, kwargs)
         )
         return converted
@@ -243,9 +243,8 @@ class GlobalView:
             self._state.stack = None
             stack.close()
         from torch.distributed.tensor import DTensor
-        from torch.utils._pytree import tree_map_only
 
-        return tree_map_only(DTensor, lambda t: t.full_tensor(), output)
+        return _torch.tree_map_only(DTensor, lambda t: t.full_tensor(), output)
 
 
 @contextlib.contextmanager
@@ -253,15 +252,11 @@ def plain_is_replicated() -> Iterator[None]:
     """DTensor takes a plain tensor that meets a DTensor as replicated inside the block,
     and leaves the setting as it found it (torch's ``implicit_replication`` turns it
     off on the way out, also inside an outer block that had turned it on)."""
-    from torch.distributed.tensor import DTensor
-
-    dispatcher = DTensor._op_dispatcher
-    before = dispatcher._allow_implicit_replication
-    dispatcher._allow_implicit_replication = True
+    before = _torch.allow_implicit_replication(True)
     try:
         yield
     finally:
-        dispatcher._allow_implicit_replication = before
+        _torch.allow_implicit_replication(before)
 
 
 def _grad_sums_here(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:

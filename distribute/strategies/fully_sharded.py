@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from distribute import context
+from distribute import _torch, context
 from distribute.cluster_resolver import ClusterResolver, resolve_cluster
 from distribute.collectives.options import CommunicationOptions
 from distribute.errors import InvalidArgumentError
@@ -57,7 +57,7 @@ class _ShardedExtended(ReplicatedExtended):
 
     def __init__(self, container_strategy: Strategy, device: str, timeout: float | None) -> None:
         super().__init__(container_strategy, [device], timeout_seconds=timeout)
-        self._step_handler = ShardedStepHandler(lambda: self._no_sync_depth > 0)  # type: ignore[assignment]  # a StepHandler of its own
+        self._step_handler = ShardedStepHandler(lambda: self._no_sync_depth > 0)
         self._sharding: ShardedModules | None = None
 
     def _captures(self, module: torch.nn.Module, tensor: torch.Tensor) -> bool:
@@ -289,9 +289,9 @@ def _collectives(
     if dist.is_initialized():
         return ProcessGroupCollectives.adopt(timeout_seconds=timeout)
     # One worker: a group of one, served by an in-process store (no port).
-    from torch._C._distributed_c10d import HashStore
-
-    dist.init_process_group(backend, store=HashStore(), rank=0, world_size=1, device_id=device)
+    dist.init_process_group(
+        backend, store=_torch.HashStore(), rank=0, world_size=1, device_id=device
+    )
     return ProcessGroupCollectives(
         None, None, 0, 1, backend, timeout, owns_group=True, device=device
     )

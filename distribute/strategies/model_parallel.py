@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from distribute import context
+from distribute import _torch, context
 from distribute._enums import ReduceOp, VariableAggregation, VariableSynchronization
 from distribute.cluster_resolver import ClusterResolver, resolve_cluster
 from distribute.collectives._shapes import check_axis
@@ -180,6 +180,24 @@ class _MeshExtended(StrategyExtended):
 
     def _num_replicas_in_sync(self) -> int:
         return self._plan.batch_size
+
+    # -- the engine's seams (docs/architecture.md, "The engine's seams") ------------------
+
+    @property
+    def cross_worker(self) -> ProcessGroupCollectives | None:
+        return self._cross_worker
+
+    @property
+    def worker_index(self) -> int:
+        return self._collectives.world.rank
+
+    @property
+    def num_workers(self) -> int:
+        return self._collectives.world.world_size
+
+    @property
+    def step_handler(self) -> MeshStepHandler:
+        return self._step_handler
 
     # -- the scope --------------------------------------------------------------------
 
@@ -653,10 +671,10 @@ def _join(
         )
     if dist.is_initialized():
         return ProcessGroupCollectives.adopt(timeout_seconds=timeout)
-    from torch._C._distributed_c10d import HashStore
-
     # One worker: a group of one, served by an in-process store (no port).
-    dist.init_process_group(backend, store=HashStore(), rank=0, world_size=1, device_id=device)
+    dist.init_process_group(
+        backend, store=_torch.HashStore(), rank=0, world_size=1, device_id=device
+    )
     return ProcessGroupCollectives(
         None, None, 0, 1, backend, timeout, owns_group=True, device=device
     )

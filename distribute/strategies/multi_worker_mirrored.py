@@ -121,9 +121,9 @@ class MultiWorkerMirroredStrategy(WorkerIdentity, Strategy):
 
     def shutdown(self) -> None:
         """Destroys the process group; the strategy cannot run collectives afterwards."""
-        extended = self._extended
-        assert isinstance(extended, ReplicatedExtended)
-        extended._step_handler.close()  # a later backward must not reach them
+        handler = self._extended.step_handler
+        if handler is not None:
+            handler.close()  # a later backward must not reach them
         if self._collectives is not None:
             self._collectives.shutdown()
 

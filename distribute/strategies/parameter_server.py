@@ -49,6 +49,7 @@ from distribute.ps._variables import (
     ParameterServerVariable,
     ShardedVariable,
     VarHandle,
+    install_gradient_push,
     split_rows,
 )
 from distribute.strategies._replicated import ReplicatedExtended
@@ -176,6 +177,7 @@ class _ParameterServerExtended(ReplicatedExtended):
         devices: Sequence[str] = ("cpu",),
     ) -> None:
         super().__init__(container_strategy, list(devices), wrap_single_values=False)
+        install_gradient_push()  # NOTE [hooks at first use] in strategies/_torch_hooks.py
         # Ids by creation order: every worker of the compat.v1 style builds the same
         # variables in the same order, so they agree on ids without talking.
         self._ids = itertools.count(1)

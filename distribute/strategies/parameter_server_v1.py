@@ -111,7 +111,6 @@ class ParameterServerStrategyV1(Strategy):
         self._cluster = cluster
         self._timeout = float(timeout_seconds)
         self._closed = False
-        self._writes_through = True  # writes outside `run` (a restore) reach the ps
         name = task_name("worker", resolver.task_id)
         extended = _ParameterServerExtended(
             self,
@@ -121,7 +120,8 @@ class ParameterServerStrategyV1(Strategy):
             devices=device_list(list(devices)) if devices is not None else ("cpu",),
         )
         super().__init__(extended)
-        runtime = _runtime.Runtime(name, self._timeout)
+        # Writes outside `run` (a restore) reach the ps.
+        runtime = _runtime.Runtime(name, self._timeout, writes_through_outside_run=True)
         runtime.strategy = self
         self._runtime = runtime
         store = start_task(runtime, lambda: _connect(resolver, cluster, name, self._timeout))

@@ -169,9 +169,6 @@ class TPUStrategy(Strategy):
         # PerReplica(0, 1, 2, 3)
     """
 
-    #: ds.Model pads partial batches to the full size (weight 0) under this strategy.
-    _static_batch_shapes = True
-
     def __init__(
         self,
         tpu_cluster_resolver: TPUClusterResolver | None = None,
@@ -202,7 +199,10 @@ class TPUStrategy(Strategy):
                 xr.use_spmd()  # before any XLA tensor of this process exists
             self._layout = _SpmdLayout(assignment, num_devices)
             self._step_devices = [torch.device(_SPMD_DEVICE)]
-            extended = ReplicatedExtended(self, [_SPMD_DEVICE], wrap_single_values=False)
+            # ds.Model pads partial batches to the full size (weight 0): XLA compiles per shape.
+            extended = ReplicatedExtended(
+                self, [_SPMD_DEVICE], wrap_single_values=False, static_batch_shapes=True
+            )
         else:
             devices = [
                 f"xla:{assignment.tpu_ordinal(r, 0)}" for r in range(assignment.num_replicas)
@@ -215,7 +215,7 @@ class TPUStrategy(Strategy):
                 },
                 key=lambda d: d.index or 0,
             )
-            extended = ReplicatedExtended(self, devices)
+            extended = ReplicatedExtended(self, devices, static_batch_shapes=True)
         # Autograd's device queues were sized at the process's first backward: refuse
         # here, with the fix, what would fail inside autograd at the first step.
         xla.check_autograd(self._step_devices)

@@ -37,7 +37,7 @@ import contextlib
 import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -55,6 +55,9 @@ from distribute.training._progress import ProgressBar
 from distribute.training._xla_steps import StepExecutions
 from distribute.training.callbacks import Callback, CallbackList, History
 from distribute.values import flatten, map_structure
+
+if TYPE_CHECKING:
+    from distribute.collectives.base import CrossWorker
 
 __all__ = ["Model"]
 
@@ -256,7 +259,7 @@ class Model(torch.nn.Module):
             return data.sizes(step)
         strategy = self._ds_strategy
         local = local_batch_size(strategy, batch)
-        cross = getattr(strategy.extended, "_cross_worker", None)
+        cross = strategy.extended.cross_worker
         if cross is None:
             return local
         return int(cross.all_reduce_int(local, "global batch size"))  # unknown up front
@@ -439,8 +442,8 @@ class Model(torch.nn.Module):
             raise InvalidArgumentError("fit got no data: the dataset is empty")
         return total, count
 
-    def _cross_worker(self) -> Any:
-        return getattr(self._ds_strategy.extended, "_cross_worker", None)
+    def _cross_worker(self) -> CrossWorker | None:
+        return self._ds_strategy.extended.cross_worker
 
     def _reduce_step(
         self, logs: Any, running: bool, first: bool
@@ -598,7 +601,7 @@ class Model(torch.nn.Module):
         return resolver is None or resolver.rank == 0
 
     def _barrier(self, name: str) -> None:
-        cross = getattr(self._ds_strategy.extended, "_cross_worker", None)
+        cross = self._ds_strategy.extended.cross_worker
         if cross is not None:
             cross.barrier(name)
 

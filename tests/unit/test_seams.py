@@ -1,0 +1,193 @@
+"""The engine's seams (docs/architecture.md, "The engine's seams"): what a strategy's
+engine offers the layers above it is declared and typed, and nothing reads or writes
+another layer's private attributes by name."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+import distribute as ds
+from distribute.collectives.base import CrossWorker
+from distribute.collectives.process_group import ProcessGroupCollectives
+
+PACKAGE = Path(ds.__file__).parent
+
+
+def _sources(under: Path = PACKAGE) -> list[tuple[Path, ast.Module]]:
+    return [(p, ast.parse(p.read_text(), str(p))) for p in sorted(under.rglob("*.py"))]
+
+
+def test_no_module_reads_a_strategys_private_attribute_by_name() -> None:
+    found = []
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr"):
+                continue
+            if len(node.args) < 2 or not isinstance(node.args[1], ast.Constant):
+                continue
+            name = node.args[1].value
+            owner = ast.unparse(node.args[0])
+            if (
+                isinstance(name, str)
+                and name.startswith("_")
+                and ("strategy" in owner or "extended" in owner)
+            ):
+                found.append(
+                    f"{path.relative_to(PACKAGE)}:{node.lineno}: getattr({owner}, {name!r})"
+                )
+    assert not found, found
+
+
+def test_the_gradient_layer_reads_no_engine_attribute_and_writes_none() -> None:
+    found = []
+    for path, tree in _sources(PACKAGE / "gradients"):
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and isinstance(node.value, (ast.Name, ast.Attribute))
+                and ast.unparse(node.value).split(".")[-1] in ("ext", "_ext", "group", "_group")
+            ):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, found
+
+
+def test_single_worker_strategies_declare_one_worker_and_a_step_handler(
+    strategy: ds.Strategy,
+) -> None:
+    extended = strategy.extended
+    assert extended.cross_worker is None
+    assert (extended.worker_index, extended.num_workers) == (0, 1)
+    assert extended.static_batch_shapes is False
+    handler = extended.step_handler
+    assert handler is not None
+    assert handler.hides_gradients() is False  # outside any step
+
+
+def test_the_process_group_collectives_are_a_cross_worker_with_rank_and_barrier() -> None:
+    members = {"rank", "world_size", "barrier", "all_reduce", "all_gather", "broadcast"}
+    for name in members | {"all_reduce_int", "check_same", "all_reduce_async"}:
+        assert hasattr(CrossWorker, name), name
+        assert callable(getattr(ProcessGroupCollectives, name)) or isinstance(
+            getattr(ProcessGroupCollectives, name), property
+        ), name
+
+
+def test_central_storage_replicas_other_than_the_first_see_no_gradients_during_a_step() -> None:
+    strategy = ds.CentralStorageStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        layer = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    handler = strategy.extended.step_handler
+    assert handler is not None
+    seen: dict[int, tuple[bool, bool]] = {}
+
+    def spy(opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        replica = ds.get_replica_context().replica_id_in_sync_group
+        seen[replica] = (handler.hides_gradients(), layer.weight.grad is None)
+
+    optimizer.register_step_pre_hook(spy)  # runs after the library's global pre-hook
+
+    def step() -> None:
+        layer(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+
+    strategy.run(step)
+    assert seen == {0: (False, False), 1: (True, True)}
+    assert handler.hides_gradients() is False
+
+
+_COUNT_HOOKS = """
+import json, sys
+import torch
+import torch.nn.modules.module as m
+import torch.optim.optimizer as o
+
+def counts():
+    return [
+        len(m._global_module_registration_hooks),
+        len(m._global_parameter_registration_hooks),
+        len(m._global_buffer_registration_hooks),
+        len(o._global_optimizer_pre_hooks),
+        len(o._global_optimizer_post_hooks),
+    ]
+
+seen = {"before": counts()}
+import distribute as ds
+seen["imported"] = counts()
+model = torch.nn.Linear(2, 1)  # plain PyTorch: builds and steps without the library
+torch.optim.SGD(model.parameters(), lr=0.1).step()
+ds.get_strategy()
+seen["plain_use"] = counts()
+strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+seen["built"] = counts()
+if sys.argv[1] == "scope":
+    with strategy.scope():
+        pass
+else:
+    strategy.run(lambda: None)
+seen["first_use"] = counts()
+with strategy.scope():
+    pass
+ds.OneDeviceStrategy("cpu").run(lambda: None)
+seen["again"] = counts()
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("first_use", ["scope", "run"])
+def test_import_installs_no_torch_hook_and_the_first_scope_or_run_installs_each_once(
+    first_use: str,
+) -> None:
+    """`import distribute` leaves torch's global module, parameter, buffer and
+    optimizer hooks alone (NOTE [hooks at first use]); the first scope (or `run`)
+    installs one of each, and later scopes and runs add none."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PACKAGE.parent), *sys.path])}
+    out = subprocess.run(
+        [sys.executable, "-c", _COUNT_HOOKS, first_use],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    nothing = [0, 0, 0, 0, 0]
+    assert seen["before"] == nothing, seen
+    assert seen["imported"] == nothing, seen
+    assert seen["plain_use"] == nothing, seen
+    assert seen["built"] == nothing, seen
+    assert seen["first_use"] == [1, 1, 1, 1, 1], seen
+    assert seen["again"] == [1, 1, 1, 1, 1], seen
+
+
+def test_a_run_without_any_scope_installs_the_hooks_that_refuse_plain_parameters() -> None:
+    """A model built outside any scope, stepped inside `run` of two replicas, is
+    refused even when no scope was ever entered (the hooks install at `run` too)."""
+    from distribute.strategies import _torch_hooks
+
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step() -> None:
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+
+    try:
+        strategy.run(step)
+    except ValueError as e:
+        assert "plain parameters" in str(e)
+    else:
+        raise AssertionError("a step over plain parameters under 2 replicas was not refused")
+    assert _torch_hooks.installed()
