@@ -88,6 +88,7 @@ __all__ = [
     "ShardingOptions",
     "UnitChooser",
     "choose_units",
+    "device_mesh",
 ]
 
 #: FSDP2's base classes of custom collectives (a private module of FSDP2).
@@ -116,15 +117,19 @@ class ShardingOptions:
 
 
 class ShardedModules:
-    """The modules a scope built, and their sharding (NOTE [sharding]).
+    """The modules a scope built, and their sharding (NOTE [sharding]): the replicated
+    engine's `ModuleCapture` and `ScopeLifecycle` under `FullyShardedStrategy`
+    (`_engine_parts.py`). Parameters registered in the scope stay plain and are
+    recorded; the roots are sharded when the outermost scope is left or at the next
+    `run`; buffers and `ds.Variable`s stay the engine's mirrored variables.
 
     Args:
         strategy: the strategy whose parameters these are.
         options: `ShardingOptions`.
         collectives: the workers' collectives (watch FSDP's, broadcast values).
         device: this worker's device.
-        groups: ``(shard group, replicate group or None)``; the shard group is the
-            whole world unless HSDP.
+        mesh: the 1-D device mesh FSDP shards over (the whole world unless HSDP).
+        replicate_group: HSDP's replicate group, or None.
     """
 
     def __init__(
@@ -133,13 +138,15 @@ class ShardedModules:
         options: ShardingOptions,
         collectives: ProcessGroupCollectives,
         device: torch.device,
-        groups: tuple[Any, Any],
+        mesh: Any,
+        replicate_group: Any = None,
     ) -> None:
         self._strategy_ref = weakref.ref(strategy)
         self._options = options
         self._collectives = collectives
         self._device = device
-        self._shard_group, self._replicate_group = groups
+        self._mesh = mesh
+        self._replicate_group = replicate_group
         # Modules that registered parameters in a scope, and parent links seen there.
         self._recorded: list[weakref.ref[torch.nn.Module]] = []
         self._parents: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = (
@@ -149,6 +156,39 @@ class ShardedModules:
         self._sync_disabled = 0
         self._deferred: DeferredInit | None = None
         self._kept: dict[int, torch.Tensor] = {}  # deferred init: id(parameter) -> shard
+
+    # -- the engine's parts: capture (`ModuleCapture`) and lifecycle (`ScopeLifecycle`) ---
+
+    def captures(self, module: torch.nn.Module, tensor: torch.Tensor) -> bool:
+        """Not FSDP's own re-registrations (a module with its own __setattr__ at every
+        unshard) nor DTensors (`load_state_dict(assign=True)` of sharded values)."""
+        from torch.distributed.tensor import DTensor
+
+        return not isinstance(tensor, DTensor) and not isinstance(module, FSDPModule)
+
+    def capture_parameter(
+        self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
+    ) -> torch.nn.Parameter | None:
+        """Records the parameter; it stays a plain parameter until FSDP shards it."""
+        self.record(module, name, param)
+        return None
+
+    def capture_submodule(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
+        self.record_child(parent, child)
+
+    def scope_entered(self) -> None:
+        self.begin_deferred()
+
+    def scope_leaving(self) -> None:
+        if self.pending:
+            self.shard_pending()
+
+    def scope_left(self) -> None:
+        """Nothing: the roots were sharded as the strategy's scope was left."""
+
+    def before_run(self) -> None:
+        if self.pending:
+            self.shard_pending()
 
     # -- recording in the scope --------------------------------------------------------
 
@@ -169,7 +209,7 @@ class ShardedModules:
         state = torch.get_rng_state()
         if self._collectives.world_size > 1:
             self._collectives.broadcast([state], 0, name="the chief's random state")
-        shard_rank, shard_size = _position_in(self._shard_group)
+        shard_rank, shard_size = self._mesh.get_local_rank(), self._mesh.size()
         chief = self._collectives.rank == 0
         self._deferred = DeferredInit(None if chief else state, shard_rank, shard_size)
 
@@ -235,8 +275,7 @@ class ShardedModules:
         buffers = [
             (m, n, b) for m in root.modules() for n, b in m._buffers.items() if b is not None
         ]
-        mesh = _mesh(self._shard_group, self._device)
-        common: dict[str, Any] = {"mesh": mesh}
+        common: dict[str, Any] = {"mesh": self._mesh}
         if self._options.mixed_precision is not None:
             common["mp_policy"] = self._options.mixed_precision
         if self._options.cpu_offload:
@@ -506,10 +545,19 @@ class _ReplicateAllReduce:
 # -- meshes and optimizers ---------------------------------------------------------------
 
 
-def _mesh(group: Any, device: torch.device) -> Any:
-    from torch.distributed.device_mesh import DeviceMesh
+def device_mesh(
+    device: torch.device, world_size: int, shape: tuple[int, int] | None
+) -> tuple[Any, Any]:
+    """(the 1-D mesh FSDP shards over, HSDP's replicate group or None), built with
+    `init_device_mesh` and named dimensions: ``("shard",)`` over every worker, or
+    ``("replicate", "shard")`` for HSDP (shard groups of consecutive ranks, replicate
+    groups of ranks ``shard`` apart). Every rank builds it, in the same order."""
+    from torch.distributed.device_mesh import init_device_mesh
 
-    return DeviceMesh.from_group(group, device.type)
+    if shape is None:
+        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",)), None
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+    return mesh["shard"], mesh["replicate"].get_group()
 
 
 def _repoint_optimizers(replaced: dict[int, torch.nn.Parameter]) -> None:
@@ -623,11 +671,6 @@ class DeferredInit:
             self._finish()
         finally:
             self._stack.close()
-
-
-def _position_in(group: Any) -> tuple[int, int]:
-    """This process's index in ``group``, and the group's size."""
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _materialize(

@@ -5,6 +5,10 @@ another layer's private attributes by name."""
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,11 +151,6 @@ def test_import_installs_no_torch_hook_and_the_first_scope_or_run_installs_each_
     """`import distribute` leaves torch's global module, parameter, buffer and
     optimizer hooks alone (NOTE [hooks at first use]); the first scope (or `run`)
     installs one of each, and later scopes and runs add none."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PACKAGE.parent), *sys.path])}
     out = subprocess.run(
         [sys.executable, "-c", _COUNT_HOOKS, first_use],
@@ -191,3 +190,81 @@ def test_a_run_without_any_scope_installs_the_hooks_that_refuse_plain_parameters
     else:
         raise AssertionError("a step over plain parameters under 2 replicas was not refused")
     assert _torch_hooks.installed()
+
+
+def test_no_engine_subclasses_the_replicated_engine() -> None:
+    """The sharded and parameter-server engines are the replicated engine built with
+    parts of their own (`strategies/_engine_parts.py`), not subclasses overriding it."""
+    found = []
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(b) for b in node.bases]
+                if any(b.split(".")[-1] == "ReplicatedExtended" for b in bases):
+                    found.append(f"{path.relative_to(PACKAGE)}: class {node.name}({bases})")
+    assert not found, found
+
+
+def test_no_strategy_writes_its_engine_after_building_it() -> None:
+    """Every engine is whole when its constructor returns: nothing assigns to an
+    engine's attributes from outside it (`extended._x = ...`)."""
+    found = []
+    for path, tree in _sources(PACKAGE / "strategies"):
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for target in targets:
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
+                    if target.value.id in ("extended", "ext", "engine"):
+                        found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not found, found
+
+
+def test_the_sharded_engine_is_the_replicated_one_with_its_own_parts() -> None:
+    """Its handler, capture and lifecycle were passed in at construction."""
+    code = (
+        "import distribute as ds\n"
+        "from distribute.gradients.sharded import ShardedStepHandler\n"
+        "from distribute.strategies._replicated import ReplicatedExtended\n"
+        "from distribute.strategies._sharding import ShardedModules\n"
+        "s = ds.experimental.FullyShardedStrategy()\n"
+        "e = s.extended\n"
+        "assert type(e) is ReplicatedExtended, type(e)\n"
+        "assert isinstance(e.step_handler, ShardedStepHandler)\n"
+        "assert isinstance(e._capture, ShardedModules) and e._lifecycle is e._capture\n"
+        "assert e.cross_worker is None and e.num_workers == 1\n"
+        "s.shutdown()\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PACKAGE.parent), *sys.path])}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_the_library_never_writes_the_process_environment() -> None:
+    """Variables are handed to the processes a launcher starts, never written into
+    this one (`os.environ[...] = `, `update`, `setdefault`, `putenv`, ...)."""
+    writers = {"update", "setdefault", "pop", "popitem", "clear", "__setitem__"}
+    found = []
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            text = ""
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+                targets = (
+                    node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+                )
+                text = " ".join(ast.unparse(t) for t in targets)
+                if "os.environ[" in text:
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {text}")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                func = ast.unparse(node.func)
+                if func in ("os.putenv", "os.unsetenv") or (
+                    func.startswith("os.environ.") and node.func.attr in writers
+                ):
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {func}")
+    assert not found, found
