@@ -62,6 +62,8 @@ __all__ = [
     "default_store",
     "disabled_torch_function_impl",
     "flatten_dense_tensors",
+    "function_mode_stack_depth",
+    "is_leaf_property",
     "foreach_add_",
     "foreach_copy_",
     "fsdp_comm_hook_bases",
@@ -123,6 +125,13 @@ foreach_copy_: Callable[..., Any] = torch._foreach_copy_
 #: Autograd's engine: `queue_callback` runs a function when the backward pass ends
 #: (the bucket reducer launches what is left, as DDP does).
 autograd_execution_engine: Any = torch.autograd.Variable._execution_engine
+
+#: How many torch function modes are active in this thread (the sharded scope's
+#: optimizer watch leaves the stack only from its top).
+function_mode_stack_depth: Callable[[], int] = torch._C._len_torch_function_stack
+#: The `is_leaf` property: what `Optimizer.add_param_group` reads of every parameter
+#: (the sharded scope's optimizer watch recognizes it).
+is_leaf_property: Any = torch._C.TensorBase.is_leaf
 
 # -- pytrees, dispatch modes, the scaler (torch.utils._*, torch.amp) --------------------------
 

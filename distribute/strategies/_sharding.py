@@ -38,7 +38,8 @@ around it:
   plus an all-reduce hook over the replicate group, watched the same way.
 * **Optimizers built in the scope** hold the parameters FSDP replaced: they are
   pointed at the shards (an optimizer with state for them is refused), and the
-  replaced parameters are marked so that a step over them is refused.
+  replaced parameters are marked so that a step over them is refused. Which
+  optimizers: NOTE [optimizers built in the scope] in `_optimizer_watch.py`.
 
 # NOTE [deferred init]
 With ``deferred_init=True`` no worker ever holds the whole model, and the values are
@@ -65,7 +66,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import gc
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -77,6 +77,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from distribute import _torch
 from distribute.errors import InvalidArgumentError
+from distribute.strategies._optimizer_watch import OptimizerWatch
 
 if TYPE_CHECKING:
     from distribute.collectives.process_group import ProcessGroupCollectives
@@ -156,6 +157,9 @@ class ShardedModules:
         self._sync_disabled = 0
         self._deferred: DeferredInit | None = None
         self._kept: dict[int, torch.Tensor] = {}  # deferred init: id(parameter) -> shard
+        # Optimizers built in the scope over recorded parameters (NOTE [optimizers
+        # built in the scope]).
+        self._watch = OptimizerWatch()
 
     # -- the engine's parts: capture (`ModuleCapture`) and lifecycle (`ScopeLifecycle`) ---
 
@@ -177,9 +181,11 @@ class ShardedModules:
         self.record_child(parent, child)
 
     def scope_entered(self) -> None:
+        self._watch.start()
         self.begin_deferred()
 
     def scope_leaving(self) -> None:
+        self._watch.stop()
         if self.pending:
             self.shard_pending()
 
@@ -187,6 +193,7 @@ class ShardedModules:
         """Nothing: the roots were sharded as the strategy's scope was left."""
 
     def before_run(self) -> None:
+        self._watch.stop()
         if self.pending:
             self.shard_pending()
 
@@ -196,6 +203,7 @@ class ShardedModules:
         """``module`` registered parameter ``name`` in the scope."""
         if self._deferred is not None:
             self._deferred.registered(module, name, param)
+        self._watch.watch(param)
         if not any(ref() is module for ref in self._recorded):
             self._recorded.append(weakref.ref(module))
 
@@ -301,7 +309,7 @@ class ShardedModules:
         for old in originals:
             if id(old) in replaced:
                 old._ds_sharded_away = True  # type: ignore[attr-defined]  # a step over it is refused
-        _repoint_optimizers(replaced)
+        _repoint_optimizers(self._watch.found(), replaced)
         root.register_forward_pre_hook(self._forward_outside_run, prepend=True)
         self._roots.append(weakref.ref(root))
 
@@ -560,14 +568,14 @@ def device_mesh(
     return mesh["shard"], mesh["replicate"].get_group()
 
 
-def _repoint_optimizers(replaced: dict[int, torch.nn.Parameter]) -> None:
+def _repoint_optimizers(
+    optimizers: Sequence[torch.optim.Optimizer], replaced: dict[int, torch.nn.Parameter]
+) -> None:
     """Points optimizers built in the scope from the replaced parameters at the shards
     (NOTE [sharding]); refuses one that already holds state for them."""
     if not replaced:
         return
-    for obj in gc.get_objects():
-        if not issubclass(type(obj), torch.optim.Optimizer):  # type() never runs a proxy's code
-            continue
+    for obj in optimizers:
         held = [p for g in obj.param_groups for p in g["params"] if id(p) in replaced]
         if not held:
             continue

@@ -48,10 +48,9 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import gc
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +59,7 @@ import torch
 from distribute import _torch
 from distribute.errors import InvalidArgumentError
 from distribute.strategies._layout import LayoutMap, TensorLayout, resolve_layouts, shard_dims
+from distribute.strategies._optimizer_watch import OptimizerWatch
 
 if TYPE_CHECKING:
     from distribute.collectives.process_group import ProcessGroupCollectives
@@ -305,6 +305,8 @@ class LaidOutModules:
         )
         self._roots: list[weakref.ref[torch.nn.Module]] = []
         self.trainable: list[torch.Tensor] = []  # every laid-out trainable parameter
+        # Optimizers built in the scope (NOTE [optimizers built in the scope]).
+        self.optimizers = OptimizerWatch()
 
     @property
     def sharded_by_fsdp(self) -> bool:
@@ -313,8 +315,10 @@ class LaidOutModules:
 
     # -- recording in the scope ------------------------------------------------------------
 
-    def record(self, module: torch.nn.Module) -> None:
-        """``module`` registered a parameter or buffer in the scope."""
+    def record(self, module: torch.nn.Module, tensor: torch.Tensor | None = None) -> None:
+        """``module`` registered a parameter (``tensor``) or buffer in the scope."""
+        if tensor is not None:
+            self.optimizers.watch(tensor)
         if not any(ref() is module for ref in self._recorded):
             self._recorded.append(weakref.ref(module))
 
@@ -471,7 +475,7 @@ class LaidOutModules:
             param._ds_managed_by = strategy  # type: ignore[attr-defined]  # read by the step hooks
             if param.requires_grad:
                 self.trainable.append(param)
-        repoint_optimizers(replaced)
+        repoint_optimizers(self.optimizers.found(), replaced)
         self._roots.append(weakref.ref(root))
 
     @contextlib.contextmanager
@@ -504,14 +508,14 @@ def _slots(
     return found
 
 
-def repoint_optimizers(replaced: dict[int, torch.nn.Parameter]) -> None:
+def repoint_optimizers(
+    optimizers: Sequence[torch.optim.Optimizer], replaced: dict[int, torch.nn.Parameter]
+) -> None:
     """Points optimizers built in the scope from the replaced parameters at their
     DTensors; refuses one that already holds state for them."""
     if not replaced:
         return
-    for obj in gc.get_objects():
-        if not issubclass(type(obj), torch.optim.Optimizer):  # type() never runs a proxy's code
-            continue
+    for obj in optimizers:
         held = [p for g in obj.param_groups for p in g["params"] if id(p) in replaced]
         if not held:
             continue

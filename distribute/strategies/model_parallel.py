@@ -213,7 +213,7 @@ class _MeshExtended(StrategyExtended):
     def _capture_parameter(
         self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
     ) -> torch.nn.Parameter | None:
-        self._layouts.record(module)
+        self._layouts.record(module, param)
         return None  # a plain parameter until the module is laid out
 
     def _capture_buffer(
@@ -251,9 +251,15 @@ class _MeshExtended(StrategyExtended):
         if self._gradients is not None:
             self._gradients.track(self._layouts.trainable[known:])
 
+    def _enter_scope(self) -> None:
+        super()._enter_scope()
+        if context._scope_depth(self._container_strategy) == 1:
+            self._layouts.optimizers.start()  # NOTE [optimizers built in the scope]
+
     def _exit_scope(self) -> None:
         if context._scope_depth(self._container_strategy) == 1:
             try:
+                self._layouts.optimizers.stop()
                 self._lay_out_pending()
             except BaseException:
                 context._exit_scope()  # leave the scope, and nothing more, on the way out
@@ -308,6 +314,7 @@ class _MeshExtended(StrategyExtended):
                 f"`run` was called inside a merge_fn of {top.strategy!r}; return from "
                 "merge_fn and call `run` from the outer loop"
             )
+        self._layouts.optimizers.stop()
         self._lay_out_pending()
         strategy = self._container_strategy
         replica_ctx = ReplicaContext(strategy, self._replica_id, 0)

@@ -268,3 +268,64 @@ def test_the_library_never_writes_the_process_environment() -> None:
                 ):
                     found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {func}")
     assert not found, found
+
+
+_SHARDED_OPTIMIZERS = """
+import json
+import torch
+import distribute as ds
+
+seen = {}
+strategy = ds.experimental.FullyShardedStrategy()  # one worker, a group of one
+with strategy.scope():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    adam = torch.optim.Adam(model.parameters(), lr=0.01)
+    listed = torch.optim.SGD([p for p in model.parameters()], lr=0.1)
+    stale = list(model.parameters())
+for name, opt in (("adam", adam), ("listed", listed)):
+    seen[name] = sorted({type(p).__name__ for g in opt.param_groups for p in g["params"]})
+seen["modes_left"] = torch._C._len_torch_function_stack()
+try:
+    with strategy.scope():
+        other = torch.nn.Linear(4, 4)
+        stepped = torch.optim.Adam(other.parameters())
+        other(torch.ones(1, 4)).sum().backward()
+        stepped.step()
+except ValueError as e:
+    seen["stepped"] = str(e)
+late = torch.optim.SGD(stale, lr=0.1)
+try:
+    strategy.run(lambda: (model(torch.ones(1, 4)).sum().backward(), late.step()))
+except ValueError as e:
+    seen["stale"] = str(e)
+strategy.shutdown()
+print(json.dumps(seen))
+"""
+
+
+def test_optimizers_built_in_a_sharded_scope_are_repointed_without_a_heap_scan() -> None:
+    """NOTE [optimizers built in the scope]: found as they are built (however their
+    parameters were listed), one that stepped before the sharding is refused, one
+    built afterwards from the replaced parameters is refused at its step, and the
+    watch leaves no torch function mode behind; the package scans no heap."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PACKAGE.parent), *sys.path])}
+    out = subprocess.run(
+        [sys.executable, "-c", _SHARDED_OPTIMIZERS],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["adam"] == seen["listed"] == ["DTensor"], seen
+    assert seen["modes_left"] == 0, seen
+    assert "already holds state" in seen["stepped"], seen
+    assert "replaced by its shards" in seen["stale"], seen
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and ast.unparse(node) in (
+                "gc.get_objects",
+                "gc.get_referrers",
+            ):
+                raise AssertionError(f"{path.relative_to(PACKAGE)}:{node.lineno}")
