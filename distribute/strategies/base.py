@@ -118,6 +118,14 @@ class StrategyExtended:
         return None
 
     @property
+    def counts_in_worker_sums(self) -> bool:
+        """Whether this worker adds its replicas' values to a sum over `cross_worker`
+        (a count of examples, a loss, a metric's totals). False where another worker
+        holds the same replica and adds them (`ModelParallelStrategy`: the workers off
+        the first model coordinates), so that such a sum counts each replica once."""
+        return True
+
+    @property
     def worker_index(self) -> int:
         """This worker's index among the strategy's workers (0: the chief)."""
         return 0

@@ -188,6 +188,13 @@ class _MeshExtended(StrategyExtended):
         return self._cross_worker
 
     @property
+    def counts_in_worker_sums(self) -> bool:
+        # The workers of a replica hold the same rows and loss: the first model
+        # column's add them, the others 0 (a sum over every worker counts each replica
+        # once; barriers and agreements still join every worker).
+        return self._collectives.first_column
+
+    @property
     def worker_index(self) -> int:
         return self._collectives.world.rank
 
@@ -236,6 +243,21 @@ class _MeshExtended(StrategyExtended):
         is_buffer: bool = False,
         deferred: bool = False,
     ) -> DistributedVariable:
+        if synchronization is VariableSynchronization.ON_READ and not (
+            trainable or is_param or is_buffer
+        ):
+            # A replica's own sums (a metric's): whole on every worker, read by
+            # aggregating over the batch group (each replica once).
+            from distribute.variables import SyncOnReadVariable
+
+            return SyncOnReadVariable._create(
+                value,
+                self._container_strategy,
+                [self._plan.device],
+                trainable=False,
+                aggregation=aggregation,
+                synchronization=synchronization,
+            )
         raise InvalidArgumentError(
             f"ds.Variable(...) of shape {tuple(value.shape)} was created in the scope of "
             f"{self._container_strategy!r}, which lays out module variables only; register it "
@@ -368,6 +390,19 @@ class _MeshExtended(StrategyExtended):
             return merge_fn(strategy, *args, **kwargs)
 
     # -- cross-replica reductions -----------------------------------------------------
+
+    def _read_sync_on_read(self, var: DistributedVariable) -> torch.Tensor:
+        """The replicas' copies aggregated over the batch group (each replica once:
+        the workers of a replica hold the same copy)."""
+        local = var._plain_component(0).clone()
+        batch = self._collectives.batch
+        if var._ds_aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            batch.broadcast([local], 0, name="SyncOnReadVariable read")
+            return local
+        (total,) = batch.all_reduce([local], ReduceOp.SUM, name="SyncOnReadVariable read")
+        if var._ds_aggregation is VariableAggregation.MEAN:
+            total = total / self._plan.batch_size
+        return total
 
     def _reduce(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
         return pack_sequence_as(value, [self._reduce_leaf(op, v, axis) for v in flatten(value)])

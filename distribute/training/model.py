@@ -262,7 +262,8 @@ class Model(torch.nn.Module):
         cross = strategy.extended.cross_worker
         if cross is None:
             return local
-        return int(cross.all_reduce_int(local, "global batch size"))  # unknown up front
+        counted = local if strategy.extended.counts_in_worker_sums else 0  # each replica once
+        return int(cross.all_reduce_int(counted, "global batch size"))  # unknown up front
 
     def _sum_loss(self, logs: Any) -> float:
         loss = logs["loss"] if isinstance(logs, dict) else logs
@@ -457,11 +458,14 @@ class Model(torch.nn.Module):
         if cross is None:
             value = float(strategy.reduce("sum", loss, axis=None))
             return value, False, (self._running_metrics() if running else {})
-        local = sum(float(t) for t in strategy.experimental_local_results(loss))
+        # The loss and metric totals count each replica once (a worker whose
+        # replica another worker adds adds 0); the stop flag is every worker's.
+        counts = 1.0 if strategy.extended.counts_in_worker_sums else 0.0
+        local = sum(float(t) for t in strategy.experimental_local_results(loss)) * counts
         summable = [m for m in self._metrics if not isinstance(m, metrics_lib.TorchMetric)]
         parts = [torch.tensor([local, float(self.stop_training)], dtype=torch.float64)]
         if running:
-            parts += [m.local_totals() for m in summable]
+            parts += [m.local_totals() * counts for m in summable]
         packed = cross.all_reduce([torch.cat(parts)], ReduceOp.SUM, name="fit step", check=first)[0]
         metrics: dict[str, float] = {}
         if running:
