@@ -3,8 +3,9 @@ worker processes joined by gloo on 127.0.0.1.
 
 What these pin: on (1, 2) and (2, 2) meshes (an MLP split column- then row-parallel
 along "model"), fit's history (SGD-momentum, 3 epochs, shuffled, an uneven last batch,
-validation data, "mae"), the trained weights (gathered whole), evaluate and predict
-equal one process under the default strategy within 1e-5. The (1, 2) mesh is one
+validation data, "mae", every batch's logs), the trained weights (gathered whole),
+evaluate (of arrays, and of an iterable of batches whose sizes are summed at each step)
+and predict equal one process under the default strategy within 1e-5. The (1, 2) mesh is one
 replica of 2 workers: a sum that counted workers instead of replicas would double
 every total (the global batch size, the loss, the metrics).
 
@@ -78,6 +79,16 @@ class _BatchLogs(ds.callbacks.Callback):
         self.logs.append(dict(logs or {}))
 
 
+class _Batches:
+    """An iterable of global batches (not arrays: its length is not known up front)."""
+
+    def __init__(self, batches: list[Any]) -> None:
+        self._batches = batches
+
+    def __iter__(self) -> Any:
+        return iter(self._batches)
+
+
 def _run(model: ds.Model) -> dict[str, Any]:
     """fit, then evaluate and predict; what every worker (and the reference) returns."""
     x, y = _data(TRAIN, 7)
@@ -94,6 +105,13 @@ def _run(model: ds.Model) -> dict[str, Any]:
         callbacks=[batches],
     )
     evaluated = model.evaluate(*validation, batch_size=BATCH, verbose=0, return_dict=True)
+    # An iterable of batches: the global batch sizes are not known up front (summed
+    # over the workers at each step, each replica once).
+    vx, vy = (torch.from_numpy(a) for a in validation)
+    iterable = _Batches(
+        [(vx[i : i + BATCH], vy[i : i + BATCH]) for i in range(0, VALIDATION, BATCH)]
+    )
+    evaluated_batches = model.evaluate(iterable, verbose=0, return_dict=True)
     px, _ = _data(PREDICT, 9)
     predictions = model.predict(px, batch_size=BATCH, verbose=0)
     return {
@@ -101,6 +119,7 @@ def _run(model: ds.Model) -> dict[str, Any]:
         "batch_logs": batches.logs,
         "weights": {k: _whole(v) for k, v in model.state_dict().items()},
         "evaluate": evaluated,
+        "evaluate_batches": evaluated_batches,
         "predict": predictions,
     }
 
@@ -156,6 +175,8 @@ def _assert_same(result: dict[str, Any], reference: dict[str, Any]) -> None:
     assert result["evaluate"].keys() == reference["evaluate"].keys()
     for key, value in reference["evaluate"].items():
         assert result["evaluate"][key] == pytest.approx(value, abs=1e-5), key
+    for key, value in reference["evaluate_batches"].items():
+        assert result["evaluate_batches"][key] == pytest.approx(value, abs=1e-5), key
     assert result["predict"].shape == (PREDICT, OUTPUTS)
     np.testing.assert_allclose(result["predict"], reference["predict"], rtol=0, atol=1e-5)
 
