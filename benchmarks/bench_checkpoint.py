@@ -58,7 +58,7 @@ def _model(megabytes: int) -> torch.nn.Module:
 def _worker(megabytes: int, reps: int, directory: str) -> dict[str, Any]:
     strategy = ds.MultiWorkerMirroredStrategy()
     rank = strategy.cluster_resolver.rank if strategy.cluster_resolver else 0
-    collectives = strategy.extended._cross_worker
+    collectives = strategy.extended.cross_worker
     assert collectives is not None
     torch.manual_seed(0)
     with strategy.scope():

@@ -29,9 +29,10 @@ Benchmarks (`--only` takes these names):
                    same packed sum costs in plain torch (cat, add, clone, split).
 
 Input batches are made once, before timing (the input pipeline has its own
-benchmark, bench_dataset.py). `distribute` is imported for the whole run, so its
-global optimizer-step and module-registration hooks are installed for the baseline
-too; outside a strategy they return at once (about 0.3 microseconds a step).
+benchmark, bench_dataset.py). `distribute` is imported for the whole run, and its
+global optimizer-step and module-registration hooks, installed by the first strategy
+scope, are there for the baseline too; outside a strategy they return at once (about
+0.3 microseconds a step).
 
 Output keys: bench, config, baseline (what the baseline is), baseline_ms,
 distribute_ms, ratio (distribute_ms / baseline_ms, lower is better), paired_ratio and

@@ -76,7 +76,7 @@ def _worker(quick: bool) -> list[dict[str, Any]]:
     # bucket_cap_mb: that also turns its small first bucket off (torch 2.13), and a
     # single bucket then changes how much communication overlaps the backward pass.
     strategy = ds.MultiWorkerMirroredStrategy()
-    collectives = strategy.extended._cross_worker  # type: ignore[attr-defined]
+    collectives = strategy.extended.cross_worker
     world = strategy.num_workers
     width, depth, batch = (512, 2, 32) if quick else (1024, 3, 64)
     # Repetitions of `iters` steps: on a shared 2-core machine one repetition's ratio
@@ -203,7 +203,7 @@ def _worker(quick: bool) -> list[dict[str, Any]]:
 def _our_buckets(strategy: Any, optimizer: Any) -> list[int] | None:
     """The strategy's gradient bucket sizes in bytes (internals: None if they moved)."""
     try:
-        reducer = strategy.extended._step_handler._sums[optimizer][1]
+        reducer = strategy.extended.step_handler._sums[optimizer][1]
         return [int(b.buffer.numel() * b.buffer.element_size()) for b in reducer._buckets]
     except (AttributeError, KeyError, TypeError):
         return None

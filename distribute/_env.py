@@ -15,6 +15,8 @@ Variables read, by launcher:
   `SLURM_STEP_NODELIST` (else `SLURM_JOB_NODELIST`, else `SLURM_NODELIST`),
   `SLURM_STEP_TASKS_PER_NODE` (else `SLURM_TASKS_PER_NODE`), `SLURM_LOCALID`.
 - Devices: `CUDA_VISIBLE_DEVICES`, `PJRT_DEVICE`, `CPU_NUM_DEVICES`.
+- rpc: `TP_SOCKET_IFNAME` (TensorPipe reads it itself; the parameter-server tasks
+  read it to tell whether rpc listens on their cluster-spec address).
 
 Integer variables are parsed here, so a malformed value fails early with a message
 naming the variable. A variable set to blanks counts as unset, except `TF_CONFIG` and
@@ -69,6 +71,8 @@ class Environment:
         cuda_visible_devices: `CUDA_VISIBLE_DEVICES` as given ("" means no GPU).
         pjrt_device: `PJRT_DEVICE` (e.g. `"CPU"` or `"TPU"`), for torch_xla.
         cpu_num_devices: `CPU_NUM_DEVICES` as given, for torch_xla's CPU backend.
+        tp_socket_ifname: `TP_SOCKET_IFNAME`, the network interface TensorPipe (rpc)
+            listens on.
 
     Example:
         >>> from distribute._env import Environment
@@ -95,6 +99,7 @@ class Environment:
     cuda_visible_devices: str | None = None
     pjrt_device: str | None = None
     cpu_num_devices: str | None = None
+    tp_socket_ifname: str | None = None
 
     @property
     def has_torchrun(self) -> bool:
@@ -157,6 +162,7 @@ def read_environment(environ: Mapping[str, str] | None = None) -> Environment:
         cuda_visible_devices=source.get("CUDA_VISIBLE_DEVICES"),
         pjrt_device=_str(source, "PJRT_DEVICE"),
         cpu_num_devices=_str(source, "CPU_NUM_DEVICES"),
+        tp_socket_ifname=_str(source, "TP_SOCKET_IFNAME"),
     )
 
 

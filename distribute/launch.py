@@ -1,10 +1,8 @@
 """Run a function in N fresh worker processes with a ready cluster.
 
 For tests and notebooks. Each worker is a new Python interpreter (spawned with
-`subprocess.Popen`; or, with ``start="preloaded"``, forked from an interpreter kept
-for the purpose that has imported `distribute` and done nothing else, see below)
-whose environment is what torchrun would give
-it (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+`subprocess.Popen`, as torchrun starts its workers) whose environment is what
+torchrun would give it (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``), or a ``TF_CONFIG`` naming every
 worker at a free loopback port, plus ``OMP_NUM_THREADS=1`` unless already set. So
 ``ds.MultiWorkerMirroredStrategy()`` (or `distribute.cluster_resolver.resolve_cluster`)
@@ -18,17 +16,6 @@ exception is re-raised here as `WorkerError` naming its rank and carrying its
 traceback, and the other workers are killed at once (with their own child
 processes); a timeout kills every worker and names those still running. A worker
 also exits by itself if this process dies, so no orphan is left behind.
-
-A new interpreter spends 1.5-2.5 s of CPU time importing torch and `distribute`
-before the function runs, which dominates short runs (a test suite's). With
-``start="preloaded"`` (or ``DISTRIBUTE_LAUNCH_START=preloaded`` in the environment)
-one interpreter per environment pays it once (`distribute._zygote`) and forks each
-worker from that state: single-threaded, no process group, no CUDA context, random
-generators seeded afresh, and the same environment at import time as a new
-interpreter would have had. What differs: modules `distribute` imports are
-already imported (their import-time reading of variables that ``env`` changes is
-not redone, which is why each distinct environment gets its own interpreter),
-and the workers of one environment share Python's hash seed.
 
 Example::
 
@@ -46,7 +33,6 @@ Example::
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import pickle
@@ -55,11 +41,10 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import Any, Protocol
 
 from distribute.errors import InvalidArgumentError, WorkerError
 
@@ -84,18 +69,8 @@ _LAUNCHER_VARIABLES = (
     "SLURM_STEP_TASKS_PER_NODE",
 )
 
-#: Variables that differ from one call to the next and that nothing reads at import:
-#: they do not pick the preloaded interpreter (see `_preloaded`).
-_PER_CALL_VARIABLES = frozenset(_LAUNCHER_VARIABLES) | {"PYTEST_CURRENT_TEST"}
-
 _LAUNCHERS = ("torchrun", "tf_config")
-_STARTS = ("fresh", "preloaded")
-#: The environment variable that sets `run`'s default ``start``.
-START_VARIABLE = "DISTRIBUTE_LAUNCH_START"
 _POLL_SECONDS = 0.02
-#: Preloaded interpreters kept at once (one per distinct environment); the least
-#: recently used goes first.
-_PRELOADED_KEPT = 2
 
 
 def free_ports(count: int) -> list[int]:
@@ -172,7 +147,6 @@ def run(
     timeout: float | None = None,
     env: Mapping[str, str] | None = None,
     allow_missing: bool = False,
-    start: str | None = None,
 ) -> list[Any]:
     """Runs ``fn(*args, **kwargs)`` in ``num_workers`` new processes; returns their results.
 
@@ -190,10 +164,6 @@ def run(
             crash, a kill) gives ``None`` instead of an error, and the others
             keep running: for tests of what the survivors of a death see. An
             exception raised by ``fn`` is still an error.
-        start: ``"fresh"`` (a new interpreter per worker) or ``"preloaded"``
-            (forked from a kept interpreter that has imported `distribute`; see
-            the module's docstring). None: ``DISTRIBUTE_LAUNCH_START``, else
-            ``"fresh"``.
 
     Returns:
         The workers' return values in rank order.
@@ -220,13 +190,6 @@ def run(
         )
     if timeout is not None and timeout <= 0:
         raise InvalidArgumentError(f"timeout must be positive seconds or None, got {timeout}.")
-    start = start if start is not None else os.environ.get(START_VARIABLE, "fresh")
-    if start not in _STARTS:
-        raise InvalidArgumentError(
-            f"start must be one of {_STARTS}, got {start!r} (from the argument or "
-            f"{START_VARIABLE}); 'fresh' starts a new interpreter per worker, 'preloaded' "
-            "forks each from one that has imported distribute."
-        )
     setup = {"sys_path": list(sys.path), "main_path": _main_path(fn)}
     try:
         payload_bytes = pickle.dumps(setup) + pickle.dumps((fn, tuple(args), dict(kwargs or {})))
@@ -247,27 +210,7 @@ def run(
         try:
             for rank in range(num_workers):
                 worker_env = _worker_env(rank, num_workers, launcher, ports, env or {})
-                if start == "preloaded":
-                    procs.append(_spawn_preloaded(payload, results[rank], worker_env, logs[rank]))
-                    continue
-                with open(logs[rank], "wb") as log:
-                    procs.append(
-                        subprocess.Popen(
-                            [
-                                sys.executable,
-                                "-m",
-                                "distribute._launch_child",
-                                str(payload),
-                                str(results[rank]),
-                                str(os.getpid()),
-                            ],
-                            env=worker_env,
-                            stdin=subprocess.DEVNULL,
-                            stdout=log,
-                            stderr=subprocess.STDOUT,
-                            start_new_session=True,  # one process group per worker: kill it whole
-                        )
-                    )
+                procs.append(_start_worker(payload, results[rank], worker_env, logs[rank]))
             _wait(procs, logs, results, timeout, allow_missing)
             return [_load_result(p) for p in results]
         finally:
@@ -287,215 +230,30 @@ class _Worker(Protocol):
     def wait(self) -> int: ...
 
 
-class _ForkedWorker:
-    """A worker forked by a preloaded interpreter (`_Zygote`), which reports its exit."""
+def _start_worker(payload: Path, result: Path, env: Mapping[str, str], log: Path) -> _Worker:
+    """Starts one worker: a new interpreter running ``distribute._launch_child`` with
+    ``env``, its output in ``log``, leading a process group of its own (killed whole).
 
-    def __init__(self, pid: int, zygote: _Zygote) -> None:
-        self._pid = pid
-        self._zygote = zygote
-
-    @property
-    def pid(self) -> int:
-        return self._pid
-
-    def poll(self) -> int | None:
-        return self._zygote.exit_code(self._pid)
-
-    def kill(self) -> None:
-        try:
-            os.kill(self._pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    def wait(self) -> int:
-        return self._zygote.wait_exit(self._pid)
-
-
-class _Zygote:
-    """The launcher's side of one preloaded interpreter (`distribute._zygote`)."""
-
-    def __init__(self, env: Mapping[str, str]) -> None:
-        self._stderr = tempfile.TemporaryFile()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "distribute._zygote"],
+    The test suite forks its workers from a preloaded interpreter instead, by
+    replacing this function for the session (tests/_preloaded_launch.py); users'
+    workers are always new interpreters, as torchrun's are.
+    """
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "distribute._launch_child",
+                str(payload),
+                str(result),
+                str(os.getpid()),
+            ],
             env=dict(env),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            start_new_session=True,  # a terminal's Ctrl-C reaches the launcher, not it
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # one process group per worker: kill it whole
         )
-        assert self._proc.stdin is not None and self._proc.stdout is not None
-        self._requests: IO[bytes] = self._proc.stdin
-        self._replies: IO[bytes] = self._proc.stdout
-        self._request_lock = threading.Lock()
-        self._changed = threading.Condition()
-        self._exits: dict[int, int] = {}
-        self._spawned: dict[int, int] = {}  # request number -> pid
-        self._next_seq = 0
-        self._handed: set[int] = set()
-        self._gone = False
-        if self._replies.readline() != b"ready\n":
-            self._proc.wait()
-            self._requests.close()
-            self._replies.close()
-            raise WorkerError(
-                "launch.run's preloaded interpreter (python -m distribute._zygote) failed to "
-                f"start; its output:\n{self._stderr_text()}\nUse start='fresh' to start "
-                "each worker as a new interpreter instead."
-            )
-        threading.Thread(target=self._read_replies, name="launch-zygote", daemon=True).start()
-
-    @property
-    def pid(self) -> int:
-        return self._proc.pid
-
-    @property
-    def alive(self) -> bool:
-        return not self._gone and self._proc.poll() is None
-
-    @property
-    def busy(self) -> bool:
-        """Whether a worker it forked may still be running."""
-        with self._changed:
-            return not self._gone and bool(self._handed - self._exits.keys())
-
-    def _stderr_text(self) -> str:
-        self._stderr.seek(0)
-        return self._stderr.read()[-4000:].decode(errors="replace")
-
-    def _read_replies(self) -> None:
-        for line in self._replies:
-            kind, *fields = line.split()
-            with self._changed:
-                if kind == b"spawned":
-                    seq, pid = int(fields[0]), int(fields[1])
-                    self._spawned[seq] = pid
-                    self._exits.pop(pid, None)  # an earlier worker's pid, reused
-                elif kind == b"exited":
-                    self._exits[int(fields[0])] = int(fields[1])
-                self._changed.notify_all()
-        with self._changed:
-            self._gone = True
-            self._changed.notify_all()
-
-    def spawn(self, argv: Sequence[str], env: Mapping[str, str], log: Path) -> _ForkedWorker:
-        """Forks a worker running ``distribute._launch_child argv`` with ``env``."""
-        with self._request_lock:
-            seq = self._next_seq
-            self._next_seq += 1
-            request = {
-                "seq": seq,
-                "argv": list(argv),
-                "env": dict(env),
-                "log": str(log),
-                "cwd": os.getcwd(),
-            }
-            try:
-                self._requests.write(json.dumps(request).encode() + b"\n")
-                self._requests.flush()
-            except BrokenPipeError:
-                pass  # gone: reported below
-            with self._changed:
-                # Its own reply: a call interrupted while waiting leaves another's behind.
-                while seq not in self._spawned and not self._gone:
-                    self._changed.wait()
-                if seq not in self._spawned:
-                    raise WorkerError(
-                        "launch.run's preloaded interpreter exited before starting a worker; "
-                        f"its output:\n{self._stderr_text()}"
-                    )
-                pid = self._spawned.pop(seq)
-                self._handed.add(pid)
-                return _ForkedWorker(pid, self)
-
-    def exit_code(self, pid: int) -> int | None:
-        """The worker's exit code once it has exited, else None."""
-        with self._changed:
-            if pid in self._exits:
-                return self._exits[pid]
-            if not self._gone:
-                return None
-        # The interpreter that would report the exit is gone; the worker exits by
-        # itself within a second (its parent is gone) and is reaped by init, or by this
-        # process if it is the subreaper (a container's first process).
-        try:
-            reaped, status = os.waitpid(pid, os.WNOHANG)
-            if reaped == pid:
-                return os.waitstatus_to_exitcode(status)
-        except ChildProcessError:
-            pass
-        return None if _running(pid) else -signal.SIGKILL
-
-    def wait_exit(self, pid: int) -> int:
-        while True:
-            code = self.exit_code(pid)
-            if code is not None:
-                return code
-            with self._changed:
-                self._changed.wait(_POLL_SECONDS * 5)
-
-    def close(self) -> None:
-        """Ends the interpreter (its running workers exit by themselves)."""
-        try:
-            self._requests.close()
-        except OSError:
-            pass
-        try:
-            self._proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-        self._replies.close()
-        self._stderr.close()
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, exited but not reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-
-_zygotes: dict[tuple[str, ...], _Zygote] = {}
-_zygotes_lock = threading.Lock()
-
-
-def _spawn_preloaded(
-    payload: Path, result: Path, worker_env: Mapping[str, str], log: Path
-) -> _ForkedWorker:
-    """Forks a worker from the preloaded interpreter for this environment (less
-    `_PER_CALL_VARIABLES`: the per-rank ones, pytest's name of the running test),
-    started on first use; idle ones beyond `_PRELOADED_KEPT` are ended, the least
-    recently used first (never one between being chosen and forking)."""
-    base = {k: v for k, v in worker_env.items() if k not in _PER_CALL_VARIABLES}
-    key = (sys.executable, *sorted(f"{k}={v}" for k, v in base.items()))
-    with _zygotes_lock:
-        zygote = _zygotes.pop(key, None)
-        if zygote is None or not zygote.alive:
-            if zygote is not None:
-                zygote.close()
-            zygote = _Zygote(base)
-        _zygotes[key] = zygote  # most recently used last
-        worker = zygote.spawn([str(payload), str(result), str(zygote.pid)], worker_env, log)
-        idle = [k for k, z in _zygotes.items() if k != key and not z.busy]
-        for old in idle[: max(0, len(_zygotes) - _PRELOADED_KEPT)]:
-            _zygotes.pop(old).close()
-        return worker
-
-
-@atexit.register
-def _close_preloaded() -> None:
-    with _zygotes_lock:
-        while _zygotes:
-            _zygotes.popitem()[1].close()
 
 
 def _kill(procs: Sequence[_Worker]) -> None:

@@ -29,14 +29,16 @@ Example:
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.modules import module as _module
+from torch.utils.hooks import RemovableHandle
 
-from distribute import context
+from distribute import _torch, context
 from distribute._enums import ReduceOp, VariableAggregation, VariableSynchronization
 from distribute.errors import ContextError, InvalidArgumentError
 
@@ -45,7 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DistributedVariable", "MirroredVariable", "SyncOnReadVariable", "Variable"]
 
-_TensorBase: Any = torch._C.TensorBase
+_TensorBase: Any = _torch.TensorBase
 
 
 def _local_replica(strategy: Strategy) -> int | None:
@@ -78,7 +80,7 @@ class DistributedVariable(torch.Tensor):
         (True, 2)
     """
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+    __torch_function__ = _torch.disabled_torch_function_impl
 
     _ds_strategy: Strategy
     _ds_components: tuple[torch.Tensor, ...]
@@ -113,7 +115,7 @@ class DistributedVariable(torch.Tensor):
         data = data.detach()
         requires_grad = trainable and (data.is_floating_point() or data.is_complex())
         primary = data.to(devices[0])
-        var: DistributedVariable = torch.Tensor._make_subclass(cls, primary, requires_grad)
+        var: DistributedVariable = _torch.make_subclass(cls, primary, requires_grad)
         components = []
         for device in devices[1:]:
             if alias_components:
@@ -139,7 +141,7 @@ class DistributedVariable(torch.Tensor):
     # -- components ---------------------------------------------------------------
 
     def _primary_version(self) -> int:
-        with torch._C.DisableTorchFunctionSubclass():
+        with _torch.DisableTorchFunctionSubclass():
             return int(self._version)
 
     def _component(self, replica: int) -> torch.Tensor:
@@ -149,7 +151,7 @@ class DistributedVariable(torch.Tensor):
     def _plain_component(self, replica: int) -> torch.Tensor:
         """Like `_component`, but never the subclass: a detached alias for replica 0."""
         if replica == 0:
-            with torch._C.DisableTorchFunctionSubclass():
+            with _torch.DisableTorchFunctionSubclass():
                 return self.as_subclass(torch.Tensor).detach()
         return self._ds_components[replica - 1].detach()
 
@@ -246,7 +248,7 @@ class DistributedVariable(torch.Tensor):
 
     def _apply_to(self, component: torch.Tensor, kind: str, value: Any) -> None:
         value = torch.as_tensor(value, dtype=component.dtype, device=component.device)
-        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+        with torch.no_grad(), _torch.DisableTorchFunctionSubclass():
             target = component.as_subclass(torch.Tensor) if component is self else component
             if kind == "assign":
                 target.copy_(value.expand_as(target))
@@ -272,7 +274,7 @@ class DistributedVariable(torch.Tensor):
         return all(_storage_key(c) == primary for c in self._ds_components)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # same keyword as Tensor.__repr__, narrower return type
-        with torch._C.DisableTorchFunctionSubclass():
+        with _torch.DisableTorchFunctionSubclass():
             body = repr(self.as_subclass(torch.Tensor).detach())
         return (
             f"{type(self).__name__}(replicas={1 + len(self._ds_components)}, "
@@ -400,7 +402,7 @@ class SyncOnReadVariable(DistributedVariable):
     """
 
     @classmethod
-    def __torch_function__(  # type: ignore[override]  # classmethod form of the protocol; the base disables it
+    def __torch_function__(  # classmethod form of the protocol; the base disables it
         cls,
         func: Callable[..., Any],
         types: Any,
@@ -408,7 +410,7 @@ class SyncOnReadVariable(DistributedVariable):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         if func in _METADATA:  # shape, dtype, ...: the same on every copy, no aggregation
-            with torch._C.DisableTorchFunctionSubclass():
+            with _torch.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         return _dispatch(func, args, kwargs or {})
 
@@ -445,7 +447,7 @@ class _ReplicatedMirroredVariable(MirroredVariable):
     """A `MirroredVariable` with several local replicas: dispatches per replica."""
 
     @classmethod
-    def __torch_function__(  # type: ignore[override]  # classmethod form of the protocol; the base disables it
+    def __torch_function__(  # classmethod form of the protocol; the base disables it
         cls,
         func: Callable[..., Any],
         types: Any,
@@ -461,7 +463,7 @@ class _ReplicatedMirroredVariable(MirroredVariable):
             if self._ds_strategy.extended._skip_grads_in_this_replica():
                 return None
             return self._ds_components[replica - 1].grad
-        with torch._C.DisableTorchFunctionSubclass():
+        with _torch.DisableTorchFunctionSubclass():
             grad: torch.Tensor | None = _TensorBase.grad.__get__(self)
         return grad
 
@@ -471,7 +473,7 @@ class _ReplicatedMirroredVariable(MirroredVariable):
         if replica:
             self._ds_components[replica - 1].grad = value
             return
-        with torch._C.DisableTorchFunctionSubclass():
+        with _torch.DisableTorchFunctionSubclass():
             _TensorBase.grad.__set__(self, value)
         if replica is None and value is None:
             for component in self._ds_components:  # zero_grad() in cross-replica context
@@ -520,7 +522,7 @@ def _dispatch(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, A
     running = _running_replica()
     args = _swap(args, running)
     kwargs = _swap(kwargs, running)
-    with torch._C.DisableTorchFunctionSubclass():
+    with _torch.DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
 
 
@@ -731,6 +733,26 @@ def _submodule_hook(module: torch.nn.Module, name: str, submodule: torch.nn.Modu
         top.strategy.extended._capture_submodule(module, submodule)
 
 
-_module.register_module_module_registration_hook(_submodule_hook)
-_module.register_module_parameter_registration_hook(_parameter_hook)  # type: ignore[arg-type]  # stubs say the hook returns None; returning a tensor replaces it
-_module.register_module_buffer_registration_hook(_buffer_hook)  # type: ignore[arg-type]  # stubs say the hook returns None; returning a tensor replaces it
+_registration_handles: list[RemovableHandle] = []
+_registration_lock = threading.Lock()
+
+
+def install_registration_hooks() -> None:
+    """Installs the global module, parameter and buffer registration hooks that
+    capture what a strategy's scope builds (idempotent).
+
+    Called when a strategy's scope is first entered or its `run` first called
+    (`strategies/_torch_hooks.py`), never at import: until then plain PyTorch code
+    in the process runs none of this library's code. Outside any scope the hooks
+    act only on module slots that hold a strategy's variable.
+    """
+    with _registration_lock:
+        if _registration_handles:
+            return
+        _registration_handles.extend(
+            [
+                _module.register_module_module_registration_hook(_submodule_hook),
+                _module.register_module_parameter_registration_hook(_parameter_hook),  # type: ignore[arg-type]  # stubs say the hook returns None; returning a tensor replaces it
+                _module.register_module_buffer_registration_hook(_buffer_hook),  # type: ignore[arg-type]  # stubs say the hook returns None; returning a tensor replaces it
+            ]
+        )

@@ -5,18 +5,17 @@ Adding a strategy to `STRATEGY_FACTORIES` makes every parametrized test cover it
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import pytest
 
 import distribute as ds
-from distribute import launch
 
 # `launch.run`'s workers fork from a preloaded interpreter instead of importing torch
 # afresh (1.5-2.5 s of CPU each): the suite's multi-process tests run about twice as
-# fast. tests/distributed/test_launch.py covers both ways of starting.
-os.environ.setdefault(launch.START_VARIABLE, "preloaded")
+# fast. `--launch-start=fresh` starts them as new interpreters, as users run (CI runs
+# the multi-process tests both ways); tests/distributed/test_launch.py covers both.
+pytest_plugins = ["_preloaded_launch"]
 
 STRATEGY_FACTORIES: dict[str, Callable[[], ds.Strategy]] = {
     "default": ds.get_strategy,

@@ -21,7 +21,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -57,19 +57,10 @@ from distribute.checkpoint._objects import (
 )
 from distribute.errors import InvalidArgumentError
 
+if TYPE_CHECKING:
+    from distribute.collectives.base import CrossWorker
+
 __all__ = ["Checkpoint"]
-
-
-class _Collectives(Protocol):
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    def check_same(self, signature: Any, *, name: str) -> None: ...
-
-    def barrier(self, name: str) -> None: ...
 
 
 def _strategy_holding(obj: Any) -> Any:
@@ -312,7 +303,7 @@ class Checkpoint:
         object.__setattr__(self, "_unmatched", [])
         return self
 
-    def _workers(self) -> _Collectives | None:
+    def _workers(self) -> CrossWorker | None:
         """The multi-worker collectives of the strategy the objects belong to (their
         variables, their input pipeline, or the current strategy), if any.
 
@@ -322,17 +313,17 @@ class Checkpoint:
         """
         from distribute.data._iterator import DistributedIterator
 
-        candidates: list[Any] = []
+        candidates: list[CrossWorker | None] = []
         for obj in self._objects.values():
             strategy = _strategy_holding(obj)
             if strategy is not None:
-                candidates.append(getattr(strategy.extended, "_cross_worker", None))
+                candidates.append(strategy.extended.cross_worker)
             if isinstance(obj, DistributedIterator):
                 candidates.append(obj._workers.collectives)
-        candidates.append(getattr(context.get_strategy().extended, "_cross_worker", None))
+        candidates.append(context.get_strategy().extended.cross_worker)
         for cross in candidates:
             if cross is not None:
-                return cross  # type: ignore[no-any-return]
+                return cross
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise InvalidArgumentError(
                 f"ds.Checkpoint of {sorted(self._objects)} runs in one of "
@@ -386,7 +377,7 @@ def _manifest(
     }
 
 
-def _failure(workers: _Collectives | None, what: str, error: BaseException) -> Exception:
+def _failure(workers: CrossWorker | None, what: str, error: BaseException) -> Exception:
     """The error to raise when DCP failed: a worker's integrity error (a damaged
     file, named), the library's diagnosis when a worker is gone (DCP's own
     collectives only say a connection closed), else a `CheckpointError` naming the

@@ -405,7 +405,7 @@ def _write_sum(target: DistributedVariable, value: torch.Tensor) -> None:
     """A sync-on-read SUM variable: the whole value in the first replica of the first
     worker, zeros elsewhere. (``assign`` divides it between the replicas, which loses
     an integer's remainder: 7 over 2 replicas would read back as 6.)"""
-    first_worker = getattr(target._ds_strategy.extended, "_worker_index", 0) == 0
+    first_worker = target._ds_strategy.extended.worker_index == 0
     with torch.no_grad():
         for replica, component in enumerate(target.values):
             if replica == 0 and first_worker:

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, Store
 
+from distribute._torch import PrefixStore, Store
 from distribute.collectives._deadlines import nccl_group_timeout
 from distribute.collectives._liveness import Liveness
 from distribute.collectives._rendezvous import rendezvous

@@ -45,8 +45,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from torch._C._distributed_c10d import Store
-
+from distribute._torch import Store
 from distribute.errors import CollectiveMismatchError, CollectiveTimeoutError
 
 __all__ = [

@@ -54,9 +54,9 @@ import time
 import uuid
 from typing import Any, NoReturn
 
-from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from torch.distributed import DistNetworkError
 
+from distribute._torch import PrefixStore, Store, TCPStore
 from distribute.errors import CollectiveTimeoutError, InvalidArgumentError, RendezvousError
 
 __all__ = ["MIN_WAIT_SECONDS", "rendezvous"]

@@ -1,8 +1,9 @@
 """The cross-process collectives a multi-worker strategy plugs in (`CrossWorker`).
 
 `ProcessGroupCollectives` (process_group.py) implements it over a torch.distributed
-process group; the layers above (buffers, gradients, input, checkpoints) depend on
-this protocol only.
+process group; the layers above (buffers, gradients, input, checkpoints, training)
+depend on this protocol only, and reach a strategy's through
+`StrategyExtended.cross_worker` (docs/architecture.md, "The engine's seams").
 """
 
 from __future__ import annotations
@@ -18,7 +19,26 @@ __all__ = ["CrossWorker"]
 
 
 class CrossWorker(Protocol):
-    """The cross-process collectives a multi-worker strategy plugs in."""
+    """The cross-process collectives a multi-worker strategy plugs in.
+
+    Every call is a collective: every worker makes the same calls in the same order,
+    and ``name`` says in errors which call a missing or mismatched worker did not
+    make.
+    """
+
+    @property
+    def rank(self) -> int:
+        """This worker's index among the workers (0 is the chief)."""
+        ...
+
+    @property
+    def world_size(self) -> int:
+        """How many workers take part."""
+        ...
+
+    def barrier(self, name: str) -> None:
+        """Returns when every worker has called it (a missing worker is named)."""
+        ...
 
     def all_reduce(
         self,
@@ -38,9 +58,6 @@ class CrossWorker(Protocol):
     def all_reduce_int(self, value: int, name: str) -> int: ...
 
     def check_same(self, signature: Any, *, name: str) -> None: ...
-
-    @property
-    def world_size(self) -> int: ...
 
     def all_reduce_async(
         self, tensors: Sequence[torch.Tensor], op: ReduceOp, *, name: str

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from distribute import _torch
 from distribute.errors import InvalidArgumentError
 
 __all__ = [
@@ -181,7 +182,7 @@ def _flatten(tensors: list[torch.Tensor], shapes: Sequence[torch.Size]) -> torch
         return torch.cat(tensors).view(-1)
     if len(tensors) > 1 and all(len(s) == 1 for s in shapes):
         return torch.cat(tensors)
-    return torch._C._nn.flatten_dense_tensors(tensors)
+    return _torch.flatten_dense_tensors(tensors)
 
 
 def _unflatten(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:

@@ -61,9 +61,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, Store
 
+from distribute import _torch
 from distribute._enums import ReduceOp
+from distribute._torch import PrefixStore, Store
 from distribute.collectives._deadlines import SLICE, StreamWatch, grace
 from distribute.collectives._group_setup import (
     close_group,
@@ -313,7 +314,7 @@ class ProcessGroupCollectives:
             )
         store: Store | None = None
         try:
-            store = dist.distributed_c10d._get_default_store()
+            store = _torch.default_store()
         except (RuntimeError, ValueError):  # no store to share: no diagnosis of missing ranks
             store = None
         return cls(
@@ -418,7 +419,7 @@ class ProcessGroupCollectives:
         error = self._fail(position, start, None)
         logger.error("%s", error)
         try:
-            dist.distributed_c10d._abort_process_group(self._group)
+            _torch.abort_process_group(self._group)
         except Exception:  # already aborted, or torch without abort
             logger.debug("aborting the process group failed", exc_info=True)
 

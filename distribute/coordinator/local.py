@@ -32,6 +32,10 @@ import time
 
 from distribute.cluster_resolver.simple import SimpleClusterResolver
 from distribute.launch import free_ports
+from distribute.ps._transport import listening_environment
+
+#: Every task of a local cluster listens on the loopback address.
+_HOST = "127.0.0.1"
 
 __all__ = ["LocalCluster", "main"]
 
@@ -59,7 +63,7 @@ class LocalCluster:
         chief: bool = True,
     ) -> None:
         ports = free_ports(int(chief) + num_workers + num_ps)
-        addresses = [f"127.0.0.1:{p}" for p in ports]
+        addresses = [f"{_HOST}:{p}" for p in ports]
         self.spec: dict[str, list[str]] = {}
         if chief:
             self.spec["chief"] = addresses[:1]
@@ -82,7 +86,14 @@ class LocalCluster:
         return json.dumps({"cluster": self.spec, "task": {"type": job, "index": index}})
 
     def _start(self, job: str, index: int) -> subprocess.Popen[bytes]:
-        env = {**os.environ, **self._env, "TF_CONFIG": self.tf_config(job, index)}
+        # rpc listens on the tasks' loopback address only, unless the caller chose an
+        # interface (NOTE [rpc's listening interface] in ps/_transport.py).
+        env = {
+            **listening_environment(_HOST),
+            **os.environ,
+            **self._env,
+            "TF_CONFIG": self.tf_config(job, index),
+        }
         env.setdefault("OMP_NUM_THREADS", "1")
         return subprocess.Popen(
             [sys.executable, "-m", "distribute.coordinator.serve"],
@@ -150,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     programs = [
         subprocess.Popen(
             [sys.executable, *script],
-            env={**os.environ, "TF_CONFIG": cluster.tf_config(job, index)},
+            env={
+                **listening_environment(_HOST),
+                **os.environ,
+                "TF_CONFIG": cluster.tf_config(job, index),
+            },
         )
         for job, index in tasks
     ]

@@ -67,8 +67,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 import torch
-from torch.autograd import Variable
 
+from distribute import _torch
 from distribute._enums import ReduceOp
 from distribute.collectives.packing import pack_by_bytes, slot_views
 from distribute.errors import CollectiveMismatchError
@@ -250,7 +250,7 @@ class BucketReducer:
             if not self._in_pass:
                 self._check_previous_redo()  # before this pass launches anything
                 self._in_pass = True
-                Variable._execution_engine.queue_callback(self._end_pass)
+                _torch.autograd_execution_engine.queue_callback(self._end_pass)
             if bucket.handle is not None:  # in flight: noticed as a change at the step
                 return
             was_ready = bucket.seen[k] is not False

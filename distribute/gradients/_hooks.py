@@ -38,6 +38,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
+from torch.utils.hooks import RemovableHandle
 
 from distribute import context
 from distribute.errors import InvalidArgumentError, MixedStrategyError
@@ -69,7 +70,7 @@ def _running() -> tuple[Strategy, StepHandler, int] | None:
     top = context._top()
     if top is None or top.replica_context is None:
         return None
-    handler: StepHandler | None = getattr(top.strategy.extended, "_step_handler", None)
+    handler = top.strategy.extended.step_handler
     if handler is None:
         return None
     return top.strategy, handler, top.replica_context.local_replica_id
@@ -145,9 +146,7 @@ def _check_step_outside_run(optimizer: Optimizer) -> None:
             if isinstance(p, DistributedVariable):
                 by_strategy.setdefault(id(p._ds_strategy), []).append(p)
     for variables in by_strategy.values():
-        handler: StepHandler | None = getattr(
-            variables[0]._ds_strategy.extended, "_step_handler", None
-        )
+        handler = variables[0]._ds_strategy.extended.step_handler
         if handler is not None:
             handler.check_step_outside_run(optimizer, variables)
 
@@ -198,5 +197,19 @@ def _post_step_hook(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         handler.after_step(optimizer, cached[2], local)
 
 
-register_optimizer_step_pre_hook(_pre_step_hook)
-register_optimizer_step_post_hook(_post_step_hook)
+_handles: list[RemovableHandle] = []
+_install_lock = threading.Lock()
+
+
+def install() -> None:
+    """Installs the global optimizer step hooks (idempotent).
+
+    Called when a strategy's scope is first entered or its `run` first called
+    (`strategies/_torch_hooks.py`), never at import. Outside `run` they cost one
+    class-attribute read per step until a strategy of several replicas has made a
+    variable.
+    """
+    with _install_lock:
+        if not _handles:
+            _handles.append(register_optimizer_step_pre_hook(_pre_step_hook))
+            _handles.append(register_optimizer_step_post_hook(_post_step_hook))

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from distribute import _torch
 from distribute._enums import ReduceOp
 from distribute.collectives.packing import pack_by_bytes, slot_views
 from distribute.variables import DistributedVariable
@@ -41,13 +42,13 @@ if TYPE_CHECKING:
 
 __all__ = ["LocalSum"]
 
-_TensorBase: Any = torch._C.TensorBase
+_TensorBase: Any = _torch.TensorBase
 
 
 def _get_grad(var: DistributedVariable, local: int) -> torch.Tensor | None:
     if local:
         return var._ds_components[local - 1].grad
-    with torch._C.DisableTorchFunctionSubclass():
+    with _torch.DisableTorchFunctionSubclass():
         grad: torch.Tensor | None = _TensorBase.grad.__get__(var)
     return grad
 
@@ -56,7 +57,7 @@ def _set_grad(var: DistributedVariable, local: int, grad: torch.Tensor) -> None:
     if local:
         var._ds_components[local - 1].grad = grad
         return
-    with torch._C.DisableTorchFunctionSubclass():
+    with _torch.DisableTorchFunctionSubclass():
         _TensorBase.grad.__set__(var, grad)
 
 
@@ -64,14 +65,14 @@ class LocalSum:
     """Sums ``variables``' gradients over the local replicas, then across workers.
 
     Args:
-        ext: the strategy's extended object (its replicas meet through it).
+        ext: the strategy's replicas (`ReplicaGroup`; they meet through it).
         variables: the optimizer's variables of that strategy.
     """
 
     def __init__(self, ext: ReplicaGroup, variables: Sequence[DistributedVariable]) -> None:
         self._ext = ext
         self._variables = list(variables)
-        devices = ext._devices
+        devices = ext.devices
         self._on_gpus = (
             len(devices) > 1
             and all(d.type == "cuda" for d in devices)
@@ -99,10 +100,10 @@ class LocalSum:
         if self._on_xla:
             self._sum_on_host(local, grads)
             return
-        result = ext._exchange(local, "gradient aggregation", grads, self._combine)
+        result = ext.exchange(local, "gradient aggregation", grads, self._combine)
         if result is None:
             return
-        device = ext._devices[local]
+        device = ext.devices[local]
         for indices, total, unused in result:
             flat = total if total.device == device else total.to(device)
             for j, view in zip(indices, slot_views(flat, [variables[j] for j in indices])):
@@ -129,7 +130,7 @@ class LocalSum:
         variables = self._variables
         n_vars = len(per_replica[0])
         used = [any(g[j] is not None for g in per_replica) for j in range(n_vars)]
-        multi_worker = ext._num_workers > 1
+        multi_worker = ext.num_workers > 1
         present = list(range(n_vars)) if multi_worker else [j for j in range(n_vars) if used[j]]
         if not present:
             return None
@@ -138,11 +139,11 @@ class LocalSum:
             sample = next((g[j] for g in per_replica if g[j] is not None), None)
             dtype = sample.dtype if sample is not None else torch.get_default_dtype()
             by_dtype.setdefault(dtype, []).append(j)
-        devices = ext._devices
+        devices = ext.devices
         packs: list[tuple[list[int], torch.Tensor]] = []
         for dtype, indices in by_dtype.items():
             sizes = [variables[j].numel() * dtype.itemsize for j in indices]
-            for pack in pack_by_bytes(sizes, ext._bytes_per_pack, reverse=False):
+            for pack in pack_by_bytes(sizes, ext.bytes_per_pack, reverse=False):
                 members = [indices[k] for k in pack]
                 parts = [
                     _flat_grad(per_replica[0][j], variables[j], dtype, devices[0]) for j in members
@@ -160,9 +161,9 @@ class LocalSum:
                 packs.append((members, total))
         if not multi_worker:
             return [(m, t, set()) for m, t in packs]
-        assert ext._cross_worker is not None
+        assert ext.cross_worker is not None
         layout = [(t.dtype, t.numel()) for _, t in packs]
-        totals = ext._cross_worker.all_reduce(
+        totals = ext.cross_worker.all_reduce(
             [t for _, t in packs], ReduceOp.SUM, name="gradients", check=layout != self._checked
         )
         self._checked = layout
@@ -180,7 +181,7 @@ class LocalSum:
         """Every local replica on its own GPU: NCCL sums the replicas' own packs."""
         ext = self._ext
         variables = self._variables
-        device = ext._devices[local]
+        device = ext.devices[local]
         by_dtype: dict[torch.dtype, list[int]] = {}
         for j, var in enumerate(variables):
             by_dtype.setdefault(var.dtype, []).append(j)
@@ -188,7 +189,7 @@ class LocalSum:
         with torch.no_grad():
             for dtype, indices in by_dtype.items():
                 sizes = [variables[j].numel() * dtype.itemsize for j in indices]
-                for pack in pack_by_bytes(sizes, ext._bytes_per_pack, reverse=False):
+                for pack in pack_by_bytes(sizes, ext.bytes_per_pack, reverse=False):
                     members = [indices[k] for k in pack]
                     parts = [_flat_grad(grads[j], variables[j], dtype, device) for j in members]
                     flags = torch.ones(len(members), dtype=dtype, device=device)
@@ -196,7 +197,7 @@ class LocalSum:
                         if grads[j] is None:
                             flags[k] = 0
                     packs.append((members, torch.cat([*parts, flags])))
-        summed = ext._exchange(local, "gradient aggregation", packs, self._nccl_sum)
+        summed = ext.exchange(local, "gradient aggregation", packs, self._nccl_sum)
         del summed  # the packs were summed in place, every replica's on its own GPU
         for members, flat in packs:
             numel = flat.numel() - len(members)
@@ -215,8 +216,8 @@ class LocalSum:
     def _sum_on_host(self, local: int, grads: list[torch.Tensor | None]) -> None:
         """Replicas on XLA devices: the sum is made on the host (NOTE [host reduction]
         in `collectives/xla.py`) and copied to each replica's device."""
-        totals = self._ext._exchange(local, "gradient aggregation", grads, _host_sum)
-        device = self._ext._devices[local]
+        totals = self._ext.exchange(local, "gradient aggregation", grads, _host_sum)
+        device = self._ext.devices[local]
         for var, total in zip(self._variables, totals):
             if total is not None:
                 _set_grad(var, local, total.to(device))
@@ -224,12 +225,12 @@ class LocalSum:
     def _nccl_sum(self, per_replica: list[list[tuple[list[int], torch.Tensor]]]) -> None:
         """Sums every pack over the local GPUs (and across workers) in place."""
         ext = self._ext
-        cross = ext._cross_worker
+        cross = ext.cross_worker
         layout = [(flat.dtype, flat.numel()) for _, flat in per_replica[0]]
         check = layout != self._checked  # across workers, once per layout
         for k in range(len(layout)):
             flats = [packs[k][1] for packs in per_replica]
-            if cross is None or ext._num_workers == 1:
+            if cross is None or ext.num_workers == 1:
                 torch.cuda.nccl.all_reduce(flats)  # type: ignore[no-untyped-call]  # untyped in torch
                 continue
             torch.cuda.nccl.reduce(flats, root=0)
@@ -263,7 +264,7 @@ def _add_into(slots: list[torch.Tensor], grads: list[torch.Tensor | None]) -> No
     if not pairs:
         return
     device = slots[0].device
-    torch._foreach_add_([s for s, _ in pairs], [g.detach().to(device) for _, g in pairs])
+    _torch.foreach_add_([s for s, _ in pairs], [g.detach().to(device) for _, g in pairs])
 
 
 def _flat_grad(

@@ -11,15 +11,12 @@ from __future__ import annotations
 import collections
 import copy
 import threading
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
 from distribute.variables import _local_replica
-
-if TYPE_CHECKING:
-    from distribute.gradients.base import ReplicaGroup
 
 __all__ = ["PerReplicaState"]
 
@@ -32,14 +29,16 @@ class PerReplicaState(collections.defaultdict):  # type: ignore[type-arg]
     the step]), those tensors are keys for their variables' entries.
     """
 
-    def __init__(self, existing: dict[Any, Any], ext: ReplicaGroup) -> None:
+    def __init__(
+        self, existing: dict[Any, Any], strategy: Any, devices: Sequence[torch.device]
+    ) -> None:
         super().__init__(dict)
-        self._strategy = ext._container_strategy
+        self._strategy = strategy
         self._keys = threading.local()
         self._replicas: list[collections.defaultdict[Any, Any]] = [
             collections.defaultdict(dict, existing)
         ]
-        for device in ext._devices[1:]:
+        for device in devices[1:]:
             self._replicas.append(collections.defaultdict(dict, _clone_state(existing, device)))
 
     def _current(self) -> collections.defaultdict[Any, Any]:

@@ -1,7 +1,7 @@
 """The two small interfaces of the gradient layer.
 
 A strategy decides what `optimizer.step()` means for its variables by providing a
-`StepHandler` (``strategy.extended._step_handler``). The optimizer hooks
+`StepHandler` (``strategy.extended.step_handler``). The optimizer hooks
 (`distribute.gradients._hooks`) check the step (see NOTE [refused steps]) and then
 call the running strategy's handler in every local replica. A synchronous handler
 sums gradients with a `GradientSum`; a parameter-server handler would send them
@@ -10,7 +10,6 @@ to the ps tasks instead; an XLA handler would reduce them in the graph.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -36,35 +35,72 @@ class RunningStrategy(Protocol):
 
 class ReplicaGroup(Protocol):
     """What the synchronous handler and the in-process sum need of a replicated
-    strategy's engine (`strategies._replicated.ReplicatedExtended` provides it): its
+    strategy's engine (`strategies._replicated.ReplicatedExtended` provides one): its
     local replicas, their meeting point, the workers, and the switches users set.
 
-    The gradient layer names no strategy class: new strategies plug in by providing
-    this, or a `StepHandler` of their own.
+    The gradient layer names no strategy class and reads no engine attribute: new
+    strategies plug in by providing this, or a `StepHandler` of their own. Nothing
+    here is written by the gradient layer.
     """
 
-    _devices: tuple[torch.device, ...]
-    _central: bool
-    _cross_worker: CrossWorker | None
-    _num_workers: int
-    _bytes_per_pack: int
-    _no_sync_depth: int
-    _skip_grads: threading.local
-    _layout_generation: int
-    _captures_modules: bool
-    experimental_aggregate_gradients: bool
+    @property
+    def strategy(self) -> Any:
+        """The strategy the replicas belong to."""
+        ...
 
     @property
-    def _container_strategy(self) -> Any: ...
+    def devices(self) -> tuple[torch.device, ...]:
+        """This worker's replica devices, in local replica order."""
+        ...
 
     @property
-    def _num_local(self) -> int: ...
+    def central_storage(self) -> bool:
+        """Whether the replicas share one copy of each variable (replica 0 updates it)."""
+        ...
 
-    def _num_replicas_in_sync(self) -> int: ...
+    @property
+    def cross_worker(self) -> CrossWorker | None:
+        """The collectives joining the workers; None with one worker."""
+        ...
 
-    def _exchange(
+    @property
+    def num_workers(self) -> int: ...
+
+    @property
+    def num_replicas_in_sync(self) -> int: ...
+
+    @property
+    def bytes_per_pack(self) -> int:
+        """How many bytes of gradients go in one collective (0: one pack)."""
+        ...
+
+    @property
+    def syncing(self) -> bool:
+        """False inside the engine's `no_sync()`: gradients accumulate locally."""
+        ...
+
+    @property
+    def layout_generation(self) -> int:
+        """Changes when a variable's shape or dtype changes (sums laid out for the
+        old ones are rebuilt)."""
+        ...
+
+    @property
+    def captures_modules(self) -> bool:
+        """Whether the scope makes module parameters the strategy's variables."""
+        ...
+
+    @property
+    def aggregate_gradients(self) -> bool:
+        """`experimental_aggregate_gradients`: False leaves gradients unsummed."""
+        ...
+
+    def exchange(
         self, local: int, kind: str, payload: Any, combine: Callable[[list[Any]], Any]
-    ) -> Any: ...
+    ) -> Any:
+        """Runs ``combine`` once over every local replica's ``payload`` (all replicas
+        wait for it) and gives each replica the result."""
+        ...
 
 
 class StepHandler(Protocol):
@@ -116,6 +152,12 @@ class StepHandler(Protocol):
     ) -> None:
         """Raises if `optimizer.step()` outside `run` would give wrong numbers for
         ``variables`` (this strategy's, among the optimizer's parameters)."""
+        ...
+
+    def hides_gradients(self) -> bool:
+        """Whether the optimizer step running in this thread is to find no gradients
+        (central storage: replica 0 alone updates the one shared copy; the others'
+        variables read ``grad`` as None during the step)."""
         ...
 
     def close(self) -> None:

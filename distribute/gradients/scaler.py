@@ -22,8 +22,9 @@ import threading
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+from torch.amp.grad_scaler import OptState
 
+from distribute import _torch
 from distribute.errors import ContextError
 from distribute.gradients._hooks import forget_early_sums, sum_before_step
 from distribute.variables import _running_replica
@@ -123,7 +124,7 @@ class GradScaler(torch.amp.GradScaler):
         slot: dict[str, Any] = {
             "_scale": None,
             "_growth_tracker": None,
-            "_per_optimizer_states": collections.defaultdict(_refresh_per_optimizer_state),
+            "_per_optimizer_states": collections.defaultdict(_torch.refresh_per_optimizer_state),
         }
         for name, current in (
             ("_init_scale", "_scale"),

@@ -51,5 +51,9 @@ class ShardedStepHandler:
     def check_step_outside_run(self, optimizer: Optimizer, variables: Sequence[Any]) -> None:
         """A step outside `run` is exact too: the gradients were summed in backward."""
 
+    def hides_gradients(self) -> bool:
+        """Never: each worker steps its own shards."""
+        return False
+
     def close(self) -> None:
         """Holds nothing."""

@@ -27,7 +27,6 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from distribute.errors import ContextError, InvalidArgumentError
-from distribute.gradients import _hooks  # noqa: F401  # registers the optimizer step hooks
 from distribute.gradients._bucket_reducer import BucketReducer
 from distribute.gradients._local_sum import LocalSum
 from distribute.gradients._replica_params import (
@@ -52,11 +51,13 @@ class SynchronousStepHandler:
     """Sums gradients over every replica at the step; every replica then updates.
 
     Args:
-        ext: the strategy's extended object.
+        group: the strategy's replicas (`ReplicaGroup`).
     """
 
-    def __init__(self, ext: ReplicaGroup) -> None:
-        self._ext_ref = weakref.ref(ext)
+    def __init__(self, group: ReplicaGroup) -> None:
+        self._group = group
+        # This replica thread's step is to find no gradients (central storage).
+        self._hidden = threading.local()
         self._sums: weakref.WeakKeyDictionary[Optimizer, tuple[tuple[int, ...], GradientSum]] = (
             weakref.WeakKeyDictionary()
         )
@@ -64,17 +65,11 @@ class SynchronousStepHandler:
         # Per optimizer: whether its steps get plain tensors (NOTE [plain tensors at the step]).
         self._plain: weakref.WeakKeyDictionary[Optimizer, bool] = weakref.WeakKeyDictionary()
 
-    @property
-    def _ext(self) -> ReplicaGroup:
-        ext = self._ext_ref()
-        assert ext is not None
-        return ext
-
     def _sum_for(
         self, optimizer: Optimizer, variables: Sequence[DistributedVariable]
     ) -> GradientSum:
         """The optimizer's `GradientSum`, made at its first step (once for all replicas)."""
-        key = (*map(id, variables), self._ext._layout_generation)
+        key = (*map(id, variables), self._group.layout_generation)
         cached = self._sums.get(optimizer)
         if cached is not None and cached[0] == key and not cached[1].stale:
             return cached[1]
@@ -84,27 +79,28 @@ class SynchronousStepHandler:
                 return cached[1]
             if cached is not None:  # the optimizer's parameters changed
                 cached[1].close()
-            ext = self._ext
+            group = self._group
             gradient_sum: GradientSum
-            if ext._num_local == 1 and not ext._central and ext._cross_worker is not None:
+            cross = group.cross_worker
+            if len(group.devices) == 1 and not group.central_storage and cross is not None:
                 reducer = BucketReducer(
                     variables,
-                    ext._cross_worker,
-                    ext._bytes_per_pack,
-                    skip=lambda: ext._no_sync_depth > 0,
+                    cross,
+                    group.bytes_per_pack,
+                    skip=lambda: not group.syncing,
                 )
                 reducer.check_layout()
                 gradient_sum = reducer
             else:
-                gradient_sum = LocalSum(ext, variables)
+                gradient_sum = LocalSum(group, variables)
             self._sums[optimizer] = (key, gradient_sum)
             return gradient_sum
 
     def sum_gradients(
         self, optimizer: Optimizer, variables: Sequence[DistributedVariable], local: int
     ) -> None:
-        ext = self._ext
-        if ext.experimental_aggregate_gradients and ext._num_replicas_in_sync() > 1:
+        group = self._group
+        if group.aggregate_gradients and group.num_replicas_in_sync > 1:
             self._sum_for(optimizer, variables).sum(local)
 
     def before_step(
@@ -115,20 +111,23 @@ class SynchronousStepHandler:
         *,
         summed: bool,
     ) -> None:
-        ext = self._ext
+        group = self._group
+        several = len(group.devices) > 1
         plain = self._plain_tensors(optimizer)
-        if (ext._num_local > 1 or plain) and not isinstance(optimizer.state, PerReplicaState):
+        if (several or plain) and not isinstance(optimizer.state, PerReplicaState):
             with self._lock:
                 if not isinstance(optimizer.state, PerReplicaState):
-                    optimizer.state = PerReplicaState(optimizer.state, ext)
+                    optimizer.state = PerReplicaState(
+                        optimizer.state, group.strategy, group.devices
+                    )
         # Taken before the sum, while no replica can have stepped yet.
-        view = self._own_groups(optimizer, local, plain) if ext._num_local > 1 or plain else None
+        view = self._own_groups(optimizer, local, plain) if several or plain else None
         if not summed:
-            if ext._num_replicas_in_sync() > 1:
+            if group.num_replicas_in_sync > 1:
                 _refuse_torch_grad_scaler()
             self.sum_gradients(optimizer, variables, local)
-        if ext._central and local != 0:
-            ext._skip_grads.value = True
+        if group.central_storage and local != 0:
+            self._hidden.value = True
         if view is not None:
             groups = optimizer.param_groups
             assert isinstance(groups, ReplicaParamGroups)
@@ -136,7 +135,7 @@ class SynchronousStepHandler:
             if plain:  # after the sum: replica 0's plain alias takes its summed gradient
                 state = optimizer.state
                 assert isinstance(state, PerReplicaState)
-                state.translate(with_plain_params(view, ext._container_strategy, local))
+                state.translate(with_plain_params(view, group.strategy, local))
 
     def _plain_tensors(self, optimizer: Optimizer) -> bool:
         """Whether ``optimizer`` steps on plain tensors (NOTE [plain tensors at the step]):
@@ -144,7 +143,7 @@ class SynchronousStepHandler:
         storage, whose replicas share one copy that replica 0 alone updates."""
         plain = self._plain.get(optimizer)
         if plain is None:
-            ext = self._ext
+            group = self._group
             groups = optimizer.param_groups
             if isinstance(groups, ReplicaParamGroups):
                 groups = groups.originals()
@@ -152,8 +151,8 @@ class SynchronousStepHandler:
             # XLA devices step per parameter (torch's default there), and an update
             # made through replica 0's plain alias is not donated to the parameter's
             # buffer: device 0 would compile its own copy of every step's program.
-            off_cpu = any(d.type not in ("cpu", "xla") for d in ext._devices)
-            plain = not ext._central and (asked or off_cpu)
+            off_cpu = any(d.type not in ("cpu", "xla") for d in group.devices)
+            plain = not group.central_storage and (asked or off_cpu)
             self._plain[optimizer] = plain
         return plain
 
@@ -162,7 +161,6 @@ class SynchronousStepHandler:
     ) -> list[dict[str, Any]] | None:
         """This replica's own copies of the optimizer's groups for the step, or None
         for replica 0 stepping on the originals (NOTE [group state per replica])."""
-        ext = self._ext
         groups = optimizer.param_groups
         if not isinstance(groups, ReplicaParamGroups):  # first step, or load_state_dict
             with self._lock:
@@ -171,10 +169,10 @@ class SynchronousStepHandler:
                     groups = ReplicaParamGroups(groups)
                     optimizer.param_groups = groups
         originals = groups.originals()
-        n = ext._num_local
+        n = len(self._group.devices)
         if n == 1:
             return snapshot_groups(originals, 1, plain)[0]
-        views: list[list[dict[str, Any]] | None] = ext._exchange(
+        views: list[list[dict[str, Any]] | None] = self._group.exchange(
             local,
             "optimizer step (param groups)",
             None,
@@ -185,7 +183,6 @@ class SynchronousStepHandler:
     def after_step(
         self, optimizer: Optimizer, variables: Sequence[DistributedVariable], local: int
     ) -> None:
-        ext = self._ext
         groups = optimizer.param_groups
         if isinstance(groups, ReplicaParamGroups):
             view = groups.current()
@@ -195,11 +192,15 @@ class SynchronousStepHandler:
             state = optimizer.state
             if isinstance(state, PerReplicaState):
                 state.translate(None)
-        if not ext._central:
+        if not self._group.central_storage:
             return
-        ext._skip_grads.value = False
+        self._hidden.value = False
         # Replicas wait until replica 0 has updated the one shared copy.
-        ext._exchange(local, "optimizer step (central storage)", None, lambda _: None)
+        self._group.exchange(local, "optimizer step (central storage)", None, lambda _: None)
+
+    def hides_gradients(self) -> bool:
+        """True in a replica other than 0 during a central-storage step."""
+        return bool(getattr(self._hidden, "value", False))
 
     def check_step_outside_run(
         self, optimizer: Optimizer, variables: Sequence[DistributedVariable]
@@ -210,18 +211,18 @@ class SynchronousStepHandler:
         their own gradients, and other workers hold theirs: a step in
         cross-replica context would sum none of them.
         """
-        ext = self._ext
-        n = ext._num_replicas_in_sync()
-        if n == 1 or not ext._captures_modules:
+        group = self._group
+        n = group.num_replicas_in_sync
+        if n == 1 or not group.captures_modules:
             return
-        multi_worker = ext._num_workers > 1
+        multi_worker = group.num_workers > 1
         for var in variables:
             if any(c.grad is not None for c in var._ds_components) or (
                 multi_worker and var.grad is not None
             ):
                 raise ContextError(
                     "optimizer.step() was called in cross-replica context, but its variables "
-                    f"of {ext._container_strategy!r} hold gradients computed inside `run`: "
+                    f"of {group.strategy!r} hold gradients computed inside `run`: "
                     "this step would apply one replica's gradient alone. Call "
                     "optimizer.step() inside the function given to strategy.run, after "
                     "loss.backward()"

@@ -118,10 +118,19 @@ class Runtime:
 
     Installed before the task connects, so that calls arriving as soon as the
     transport is up find it.
+
+    Args:
+        name: the task's name (``chief``, ``worker_<i>``, ``ps_<i>``).
+        timeout: the longest one call between tasks may take (seconds).
+        writes_through_outside_run: a compat.v1 worker: an in-place write of a
+            variable's local copy outside `run` (a restore) goes on to its ps.
     """
 
-    def __init__(self, name: str, timeout: float) -> None:
+    def __init__(
+        self, name: str, timeout: float, *, writes_through_outside_run: bool = False
+    ) -> None:
         self.name = name
+        self._writes_through_outside_run = writes_through_outside_run
         self._transport: Transport = _NotConnected()
         self._connected = threading.Event()
         self.timeout = timeout
@@ -160,10 +169,7 @@ class Runtime:
 
         if self.name == "chief":
             return True
-        strategy = self.strategy
-        return bool(
-            getattr(strategy, "_writes_through", False) and context.get_replica_context() is None
-        )
+        return self._writes_through_outside_run and context.get_replica_context() is None
 
     def answers(self, task: str, timeout: float = 5.0) -> bool:
         """Whether `task` answers a ping within `timeout` seconds."""

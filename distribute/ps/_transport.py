@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import socket
 import struct
 import sys
@@ -35,6 +34,7 @@ from typing import Any, Protocol
 
 from torch.futures import Future
 
+from distribute import _env, _torch
 from distribute.errors import CollectiveTimeoutError, InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -108,7 +108,6 @@ class RpcTransport:
         Raises:
             CollectiveTimeoutError: tasks did not join within `timeout_seconds`.
         """
-        import torch.distributed.autograd as dist_autograd
         import torch.distributed.rpc as rpc
 
         generation = int(store.add(f"transport/starts/{rank}", 1)) - 1
@@ -119,7 +118,7 @@ class RpcTransport:
                 f"{name} was restarted {generation} times; rpc has no ids left for it: "
                 "restart the cluster"
             )
-        _listen_on(host)
+        _check_listening_interface(host)
         options = rpc.TensorPipeRpcBackendOptions(
             rpc_timeout=timeout_seconds,
             init_method="tcp://unused",
@@ -130,9 +129,7 @@ class RpcTransport:
             _channels=["basic"],
         )
         # What init_rpc does after its own rendezvous; the store is ours (module doc).
-        dist_autograd._init(worker_id)  # type: ignore[attr-defined]  # private, as init_rpc calls it
-        backend = rpc.BackendType.TENSORPIPE  # type: ignore[attr-defined]  # an enum made at runtime
-        rpc._init_rpc_backend(backend, store, rpc_name, worker_id, None, options)  # type: ignore[no-untyped-call]  # untyped in torch
+        _torch.rpc_init_backend(store, rpc_name, worker_id, options)
         transport = cls(name, rpc_name, store, timeout_seconds)
         if generation == 0:
             transport._wait_for_everyone(rank, world_size)
@@ -173,11 +170,9 @@ class RpcTransport:
         if self._stopped or self._quiet:
             return
         self._quiet = True
-        import torch.distributed.rpc as rpc
-
         # A dynamic group's join: waits for this task's own calls to end and marks
         # its agent as shutting down, closing nothing (NOTE [quiet shutdown]).
-        rpc.api._get_current_rpc_agent().join(shutdown=True)  # type: ignore[attr-defined]  # private
+        _torch.rpc_current_agent().join(shutdown=True)
 
     def shutdown(self) -> None:
         if self._stopped:
@@ -211,7 +206,7 @@ class RpcTransport:
 
         futures = [
             (info.name, rpc.rpc_async(info.name, _renamed, args=(self._name, self._rpc_name)))
-            for info in rpc._get_current_rpc_agent().get_worker_infos()  # type: ignore[attr-defined]  # private
+            for info in _torch.rpc_current_agent().get_worker_infos()
             if info.name != self._rpc_name
         ]
         for member, future in futures:
@@ -274,12 +269,21 @@ _MAX_WORKER_ID = 32767  # rpc's ids are int16
 _rpc_names: dict[str, str] = {}
 
 
-def _listen_on(host: str) -> None:
-    """Makes TensorPipe listen on the network interface that has `host`'s address
-    (it listens on the interface ``TP_SOCKET_IFNAME`` names, else on the address
-    the machine's hostname resolves to). A ``TP_SOCKET_IFNAME`` already set wins;
-    a `host` no interface here has (a NAT'ed address) is logged and left alone."""
-    if os.environ.get("TP_SOCKET_IFNAME"):
+# NOTE [rpc's listening interface]
+# TensorPipe listens on the interface `TP_SOCKET_IFNAME` names, else on the address
+# this machine's hostname resolves to; it reads the variable itself, once, when the
+# first agent starts, and has no option for it. The library does not write the
+# variable into the user's process (it once did, from the cluster spec): whoever starts
+# a task sets it. `LocalCluster` sets it for the tasks it starts; a task started
+# otherwise, whose hostname's address is not its cluster-spec address, logs which
+# value to set (`_check_listening_interface`).
+
+
+def _check_listening_interface(host: str) -> None:
+    """Warns when TensorPipe will listen elsewhere than on `host` (this task's address
+    in the cluster spec), naming the ``TP_SOCKET_IFNAME`` that would fix it (NOTE
+    [rpc's listening interface]). Quiet when the variable is set."""
+    if _env.read_environment().tp_socket_ifname:
         return
     from distribute.collectives._rendezvous import loopback_alias
 
@@ -299,7 +303,32 @@ def _listen_on(host: str) -> None:
             host,
         )
         return
-    os.environ["TP_SOCKET_IFNAME"] = interface  # read once, when the first agent starts
+    hostname = _hostname_address()
+    if hostname is None or interface_of(hostname) != interface:
+        logger.warning(
+            "rpc (TensorPipe) will listen on %s, the address of this machine's hostname, "
+            "not on %s, this task's address in the cluster spec; set "
+            "TP_SOCKET_IFNAME=%s in the task's environment before it starts to listen "
+            "there only",
+            hostname,
+            host,
+            interface,
+        )
+
+
+def _hostname_address() -> str | None:
+    """The IPv4 address this machine's hostname resolves to (TensorPipe's default)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return None
+
+
+def listening_environment(host: str) -> dict[str, str]:
+    """The ``TP_SOCKET_IFNAME`` for a task about to be started at `host` (a launcher
+    puts it in the task's environment), or nothing when no interface has `host`."""
+    interface = interface_of(host)
+    return {"TP_SOCKET_IFNAME": interface} if interface is not None else {}
 
 
 def interface_of(host: str) -> str | None:

@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils._pytree import tree_map
+from torch.utils.hooks import RemovableHandle
 
-from distribute import context
+from distribute import _torch, context
 from distribute._enums import VariableAggregation
 from distribute.errors import InvalidArgumentError
 from distribute.partitioners import shard_sizes
@@ -97,7 +97,7 @@ class ParameterServerVariable(torch.nn.Parameter):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         """Ops see the local copy; an in-place write outside a closure (the chief's
         `load_state_dict`, a checkpoint's restore) goes on to the ps as well."""
-        with torch._C.DisableTorchFunctionSubclass():
+        with _torch.DisableTorchFunctionSubclass():
             result = func(*args, **(kwargs or {}))
         target = args[0] if args else None
         if (
@@ -227,7 +227,7 @@ class ShardedVariable(torch.Tensor):
         first = shards[0]
         rows = sum(s.shape[0] for s in shards)
         shape = (rows, *first.shape[1:])
-        self = torch.Tensor._make_wrapper_subclass(
+        self: ShardedVariable = _torch.make_wrapper_subclass(
             cls, shape, dtype=first.dtype, requires_grad=first.requires_grad
         )
         self._ds_shards = tuple(shards)
@@ -357,8 +357,8 @@ class ShardedVariable(torch.Tensor):
                     x._ds_reads.append((None, value))
             return value
 
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*tree_map(whole, args), **tree_map(whole, kwargs))
+        with _torch.DisableTorchFunctionSubclass():
+            return func(*_torch.tree_map(whole, args), **_torch.tree_map(whole, kwargs))
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]  # torch's stub omits func
@@ -372,7 +372,7 @@ class ShardedVariable(torch.Tensor):
             pending = getattr(x, "_ds_pending", None)
             return pending if pending is not None else x._fetch_all()
 
-        return func(*tree_map(whole, args), **tree_map(whole, kwargs or {}))
+        return func(*_torch.tree_map(whole, args), **_torch.tree_map(whole, kwargs or {}))
 
 
 def _add_dense(out: dict[int, Any], var_id: int, grad: torch.Tensor) -> None:
@@ -559,4 +559,14 @@ def _group_for(groups: list[dict[str, Any]], index: int, hyper: dict[str, Any]) 
     return group
 
 
-register_optimizer_step_pre_hook(_push_gradients)
+_push_handles: list[RemovableHandle] = []
+_push_lock = threading.Lock()
+
+
+def install_gradient_push() -> None:
+    """Installs the global optimizer pre-hook that sends parameter-server variables'
+    gradients to their ps tasks (idempotent). A parameter-server strategy installs it
+    when it is built, never at import."""
+    with _push_lock:
+        if not _push_handles:
+            _push_handles.append(register_optimizer_step_pre_hook(_push_gradients))

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from distribute import _torch
 from distribute._enums import ReduceOp
 from distribute.errors import ContextError
 
@@ -107,7 +108,7 @@ class BatchAxisGradients:
             self._aside.pop(key, None)  # zero_grad() since a no_sync() pass: all of it gone
         if not self._queued:
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            _torch.autograd_execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
         self._queued = False
@@ -200,6 +201,10 @@ class MeshStepHandler:
 
     def check_step_outside_run(self, optimizer: Optimizer, variables: Sequence[Any]) -> None:
         """A step outside `run` is exact too: backward summed the gradients."""
+
+    def hides_gradients(self) -> bool:
+        """Never: each worker steps its own part of every parameter."""
+        return False
 
     def close(self) -> None:
         """Holds nothing."""

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from distribute import _torch
 from distribute._enums import ReduceOp, VariableAggregation
 from distribute.collectives.packing import slot_views
 
@@ -149,6 +150,6 @@ class BufferSync:
             for replica, device in enumerate(self._devices):
                 source = result if result.device == device else result.to(device)
                 targets = [b._plain_component(replica) for b in group.members]
-                torch._foreach_copy_(targets, slot_views(source, targets))
+                _torch.foreach_copy_(targets, slot_views(source, targets))
         for b in group.members:
             b._mark_synced()

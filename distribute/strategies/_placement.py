@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from distribute import _torch
 from distribute._enums import VariableAggregation, VariableSynchronization
 from distribute.errors import InvalidArgumentError
 from distribute.variables import DistributedVariable, buffer_aggregation, carry_attributes
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = ["VariablePlacement"]
 
-_TensorBase: Any = torch._C.TensorBase
+_TensorBase: Any = _torch.TensorBase
 
 
 def _slots(var: DistributedVariable) -> Iterator[tuple[dict[str, Any], str]]:
@@ -192,7 +193,7 @@ class VariablePlacement:
         if primary.device != target:
             moved = primary.to(target)
             grad = var.grad
-            if torch._has_compatible_shallow_copy_type(primary, moved):
+            if _torch.has_compatible_shallow_copy_type(primary, moved):
                 _set_data(var, moved)
             else:
                 owners = var._ds_owners
@@ -265,7 +266,7 @@ class VariablePlacement:
         ext = self._ext
         primary = var._plain_component(0)
         if not var._ds_placed:
-            if torch._has_compatible_shallow_copy_type(primary, value):
+            if _torch.has_compatible_shallow_copy_type(primary, value):
                 _set_data(var, value)
             else:  # from the meta device: the object takes the new tensor in place
                 owners = var._ds_owners

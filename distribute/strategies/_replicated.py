@@ -9,7 +9,9 @@ It keeps the replicas, the run and the variables' lifecycle, and composes the re
 `VariablePlacement` (where variables live, `_placement.py`), `ReplicaCollectives`
 (collectives inside `run`, `_replica_collectives.py`), `CrossReplicaReductions`
 (`reduce`, `gather`, ..., `_cross_replica.py`), `BufferSync` (`_buffer_sync.py`)
-and the gradient layer's `SynchronousStepHandler`.
+and the gradient layer's `SynchronousStepHandler`. The sharded and parameter-server
+strategies configure it with parts of their own, passed in at construction
+(`_engine_parts.py`): nothing subclasses it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ from distribute.errors import (
 from distribute.strategies._buffer_sync import BufferSync
 from distribute.strategies._cross_replica import CrossReplicaReductions
 from distribute.strategies._devices import parse_device
+from distribute.strategies._engine_parts import (
+    ModuleCapture,
+    ScopeLifecycle,
+    StepHandlerFactory,
+    VariableHome,
+    Workers,
+)
 from distribute.strategies._placement import VariablePlacement
 from distribute.strategies._replica_collectives import ReplicaCollectives
 from distribute.strategies._replica_threads import Rendezvous, ReplicaThreads
@@ -56,9 +65,17 @@ from distribute.variables import (
 if TYPE_CHECKING:
     from distribute.collectives.cross_device_ops import CrossDeviceOps
     from distribute.data.options import InputContext, InputOptions, ValueContext
+    from distribute.gradients.base import StepHandler
     from distribute.strategies.base import Strategy
 
-__all__ = ["DEFAULT_TIMEOUT_SECONDS", "CrossWorker", "ReplicatedExtended", "parse_device"]
+__all__ = [
+    "DEFAULT_TIMEOUT_SECONDS",
+    "CrossWorker",
+    "ReplicatedExtended",
+    "Workers",
+    "parse_device",
+    "replica_devices",
+]
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 
@@ -77,6 +94,17 @@ class ReplicatedExtended(StrategyExtended):
         timeout_seconds: how long a replica waits for the others in a collective.
         bytes_per_pack: pack size for gradient aggregation (0: one pack).
         cross_device_ops: in-process reduction for `reduce_to`/`batch_reduce_to`.
+        static_batch_shapes: every step must see batches of one shape (XLA).
+        workers: this process's place among several workers and their collectives;
+            None: one worker.
+        step_handler: makes the strategy's `StepHandler` from the engine's
+            `ReplicaGroup`; None: the synchronous one.
+        capture: what the scope makes of modules' parameters and submodules; None:
+            the strategy's mirrored variables.
+        home: what variables created in the scope are and where they live; None:
+            mirrored variables on ``devices``.
+        lifecycle: what the strategy does as its scope is entered and left, before
+            `run` and in `no_sync()`; None: nothing more.
     """
 
     def __init__(
@@ -90,19 +118,19 @@ class ReplicatedExtended(StrategyExtended):
         timeout_seconds: float | None = None,
         bytes_per_pack: int = 0,
         cross_device_ops: CrossDeviceOps | None = None,
+        static_batch_shapes: bool = False,
+        workers: Workers | None = None,
+        step_handler: StepHandlerFactory | None = None,
+        capture: ModuleCapture | None = None,
+        home: VariableHome | None = None,
+        lifecycle: ScopeLifecycle | None = None,
     ) -> None:
         super().__init__(container_strategy)
-        if not devices:
-            raise InvalidArgumentError("a strategy needs at least one device, got none")
-        parsed = [parse_device(d) for d in devices]
-        names = [n for n, _ in parsed]
-        if len(set(names)) != len(names):
-            raise InvalidArgumentError(
-                f"devices must be distinct, got {names}; name logical CPU replicas "
-                '"cpu:0", "cpu:1", ...'
-            )
-        self._device_names = tuple(names)
-        self._devices = tuple(d for _, d in parsed)
+        self._static_batch_shapes = static_batch_shapes
+        self._devices = replica_devices(devices)
+        self._capture = capture
+        self._home = home
+        self._lifecycle = lifecycle
         # Where the replicas' values meet to be combined: the first replica's device,
         # or the host for XLA devices, whose pending (lazy) tensors cannot move from
         # one device to another (NOTE [host reduction] in collectives/xla.py).
@@ -118,9 +146,11 @@ class ReplicatedExtended(StrategyExtended):
         self._timeout = float(timeout_seconds or DEFAULT_TIMEOUT_SECONDS)
         self._bytes_per_pack = bytes_per_pack
         self._cross_device_ops = cross_device_ops
-        self._worker_index = 0
-        self._num_workers = 1
-        self._cross_worker: CrossWorker | None = None
+        self._worker_index = workers.index if workers is not None else 0
+        self._num_workers = workers.count if workers is not None else 1
+        self._cross_worker: CrossWorker | None = (
+            workers.collectives if workers is not None else None
+        )
         self._variables: weakref.WeakSet[DistributedVariable] = weakref.WeakSet()
         # Creation order, the same on every worker (a WeakSet's order is not: it
         # follows addresses), because the buffers' sync packs them in this order.
@@ -141,12 +171,15 @@ class ReplicatedExtended(StrategyExtended):
         self._threads: ReplicaThreads | None = None
         self._thread_lock = threading.Lock()
         self._run_owner: threading.Thread | None = None
-        self._skip_grads = threading.local()
         self.experimental_aggregate_gradients = True
         self._no_sync_depth = 0
-        from distribute.gradients.synchronous import SynchronousStepHandler
+        group = _ReplicaGroup(self)
+        if step_handler is None:
+            from distribute.gradients.synchronous import SynchronousStepHandler
 
-        self._step_handler = SynchronousStepHandler(self)
+            self._step_handler: StepHandler = SynchronousStepHandler(group)
+        else:
+            self._step_handler = step_handler(group)
         weakref.finalize(self, _shutdown_threads, self._thread_holder())
 
     def _thread_holder(self) -> list[ReplicaThreads]:
@@ -161,6 +194,8 @@ class ReplicatedExtended(StrategyExtended):
 
     @property
     def parameter_devices(self) -> tuple[torch.device, ...]:
+        if self._home is not None:
+            return self._home.parameter_devices
         return self._devices[:1] if self._central else self._devices
 
     @property
@@ -173,12 +208,25 @@ class ReplicatedExtended(StrategyExtended):
     def _global_id(self, local: int) -> int:
         return self._worker_index * len(self._devices) + local
 
-    def _set_workers(
-        self, worker_index: int, num_workers: int, cross_worker: CrossWorker | None
-    ) -> None:
-        self._worker_index = worker_index
-        self._num_workers = num_workers
-        self._cross_worker = cross_worker
+    @property
+    def cross_worker(self) -> CrossWorker | None:
+        return self._cross_worker
+
+    @property
+    def worker_index(self) -> int:
+        return self._worker_index
+
+    @property
+    def num_workers(self) -> int:
+        return self._num_workers
+
+    @property
+    def step_handler(self) -> StepHandler:
+        return self._step_handler
+
+    @property
+    def static_batch_shapes(self) -> bool:
+        return self._static_batch_shapes
 
     # -- run --------------------------------------------------------------------------
 
@@ -285,6 +333,8 @@ class ReplicatedExtended(StrategyExtended):
         return alive
 
     def _before_run(self) -> None:
+        if self._lifecycle is not None:
+            self._lifecycle.before_run()
         if self._placement.pending:
             self._placement.place()
             self._placement.require_materialized()
@@ -332,7 +382,17 @@ class ReplicatedExtended(StrategyExtended):
         is_param: bool = False,
         is_buffer: bool = False,
         deferred: bool = False,
-    ) -> DistributedVariable:
+    ) -> Any:
+        if self._home is not None:
+            return self._home.create_variable(
+                value,
+                trainable=trainable,
+                synchronization=synchronization,
+                aggregation=aggregation,
+                is_param=is_param,
+                is_buffer=is_buffer,
+                deferred=deferred,
+            )
         if synchronization is VariableSynchronization.NONE:
             raise InvalidArgumentError(
                 "`NONE` variable synchronization mode is not supported under "
@@ -452,19 +512,54 @@ class ReplicatedExtended(StrategyExtended):
         for var, primary in zip(pending, primaries):
             var._write_all("assign", [primary] * self._num_local)
 
+    def _captures(self, module: torch.nn.Module, tensor: torch.Tensor) -> bool:
+        return self._capture is None or self._capture.captures(module, tensor)
+
+    def _capture_parameter(
+        self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
+    ) -> torch.nn.Parameter | None:
+        if self._capture is not None:
+            return self._capture.capture_parameter(module, name, param)
+        return super()._capture_parameter(module, name, param)
+
+    def _capture_submodule(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
+        if self._capture is not None:
+            self._capture.capture_submodule(parent, child)
+
+    def _enter_scope(self) -> None:
+        super()._enter_scope()
+        if self._lifecycle is not None and context._scope_depth(self._container_strategy) == 1:
+            self._lifecycle.scope_entered()
+
     def _exit_scope(self) -> None:
+        outermost = context._scope_depth(self._container_strategy) == 1
+        if outermost and self._lifecycle is not None:
+            try:
+                self._lifecycle.scope_leaving()
+            except BaseException:
+                context._exit_scope()  # leave the scope, and nothing more, on the way out
+                raise
         try:
-            if context._scope_depth(self._container_strategy) == 1:  # the outermost
+            if outermost:
                 self._placement.place()
                 self._broadcast_initial_values()
         finally:
             super()._exit_scope()
+        if self._lifecycle is not None and context._top() is None:
+            self._lifecycle.scope_left()
 
     def _skip_grads_in_this_replica(self) -> bool:
-        return bool(getattr(self._skip_grads, "value", False))
+        return self._step_handler.hides_gradients()
+
+    def colocate_vars_with(
+        self, colocate_with_variable: Any
+    ) -> contextlib.AbstractContextManager[None]:
+        if self._home is not None:
+            return self._home.colocate_vars_with(colocate_with_variable)
+        return self._colocate_mirrored(colocate_with_variable)
 
     @contextlib.contextmanager
-    def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
+    def _colocate_mirrored(self, colocate_with_variable: Any) -> Iterator[None]:
         if not self.variable_created_in_scope(colocate_with_variable):
             raise InvalidArgumentError(
                 f"colocate_vars_with needs a variable created in {self._container_strategy!r}'s "
@@ -614,9 +709,97 @@ class ReplicatedExtended(StrategyExtended):
         """
         self._no_sync_depth += 1
         try:
-            yield
+            if self._lifecycle is None:
+                yield
+            else:
+                with self._lifecycle.no_sync():
+                    yield
         finally:
             self._no_sync_depth -= 1
+
+
+class _ReplicaGroup:
+    """The engine's replicas as the gradient layer sees them (`gradients.base.
+    ReplicaGroup`): read-only, and weak, so that the step handler the engine holds
+    does not keep the engine alive."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, engine: ReplicatedExtended) -> None:
+        self._ref = weakref.ref(engine)
+
+    @property
+    def _engine(self) -> ReplicatedExtended:
+        engine = self._ref()
+        assert engine is not None, "the strategy's engine is gone"
+        return engine
+
+    @property
+    def strategy(self) -> Strategy:
+        return self._engine._container_strategy
+
+    @property
+    def devices(self) -> tuple[torch.device, ...]:
+        return self._engine._devices
+
+    @property
+    def central_storage(self) -> bool:
+        return self._engine._central
+
+    @property
+    def cross_worker(self) -> CrossWorker | None:
+        return self._engine._cross_worker
+
+    @property
+    def num_workers(self) -> int:
+        return self._engine._num_workers
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._engine._num_replicas_in_sync()
+
+    @property
+    def bytes_per_pack(self) -> int:
+        return self._engine._bytes_per_pack
+
+    @property
+    def syncing(self) -> bool:
+        return self._engine._no_sync_depth == 0
+
+    @property
+    def layout_generation(self) -> int:
+        return self._engine._layout_generation
+
+    @property
+    def captures_modules(self) -> bool:
+        return self._engine._captures_modules
+
+    @property
+    def aggregate_gradients(self) -> bool:
+        return self._engine.experimental_aggregate_gradients
+
+    def exchange(
+        self, local: int, kind: str, payload: Any, combine: Callable[[list[Any]], Any]
+    ) -> Any:
+        return self._engine._exchange(local, kind, payload, combine)
+
+
+def replica_devices(devices: Sequence[str | torch.device]) -> tuple[torch.device, ...]:
+    """The local replicas' devices, checked: at least one, all distinct.
+
+    Raises:
+        InvalidArgumentError: no device, or one named twice.
+    """
+    if not devices:
+        raise InvalidArgumentError("a strategy needs at least one device, got none")
+    parsed = [parse_device(d) for d in devices]
+    names = [n for n, _ in parsed]
+    if len(set(names)) != len(names):
+        raise InvalidArgumentError(
+            f"devices must be distinct, got {names}; name logical CPU replicas "
+            '"cpu:0", "cpu:1", ...'
+        )
+    return tuple(d for _, d in parsed)
 
 
 def _on_device(structure: Any, device: torch.device) -> Any:

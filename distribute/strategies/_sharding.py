@@ -38,7 +38,8 @@ around it:
   plus an all-reduce hook over the replicate group, watched the same way.
 * **Optimizers built in the scope** hold the parameters FSDP replaced: they are
   pointed at the shards (an optimizer with state for them is refused), and the
-  replaced parameters are marked so that a step over them is refused.
+  replaced parameters are marked so that a step over them is refused. Which
+  optimizers: NOTE [optimizers built in the scope] in `_optimizer_watch.py`.
 
 # NOTE [deferred init]
 With ``deferred_init=True`` no worker ever holds the whole model, and the values are
@@ -65,7 +66,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import gc
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -74,9 +74,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from distribute import _torch
 from distribute.errors import InvalidArgumentError
+from distribute.strategies._optimizer_watch import OptimizerWatch
 
 if TYPE_CHECKING:
     from distribute.collectives.process_group import ProcessGroupCollectives
@@ -88,7 +89,13 @@ __all__ = [
     "ShardingOptions",
     "UnitChooser",
     "choose_units",
+    "device_mesh",
 ]
+
+#: FSDP2's base classes of custom collectives (a private module of FSDP2).
+_AllGather: Any
+_ReduceScatter: Any
+_AllGather, _ReduceScatter = _torch.fsdp_comm_hook_bases()
 
 #: torch 2.13 renamed the *_tensor collectives (now deprecated) to *_single.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -111,15 +118,19 @@ class ShardingOptions:
 
 
 class ShardedModules:
-    """The modules a scope built, and their sharding (NOTE [sharding]).
+    """The modules a scope built, and their sharding (NOTE [sharding]): the replicated
+    engine's `ModuleCapture` and `ScopeLifecycle` under `FullyShardedStrategy`
+    (`_engine_parts.py`). Parameters registered in the scope stay plain and are
+    recorded; the roots are sharded when the outermost scope is left or at the next
+    `run`; buffers and `ds.Variable`s stay the engine's mirrored variables.
 
     Args:
         strategy: the strategy whose parameters these are.
         options: `ShardingOptions`.
         collectives: the workers' collectives (watch FSDP's, broadcast values).
         device: this worker's device.
-        groups: ``(shard group, replicate group or None)``; the shard group is the
-            whole world unless HSDP.
+        mesh: the 1-D device mesh FSDP shards over (the whole world unless HSDP).
+        replicate_group: HSDP's replicate group, or None.
     """
 
     def __init__(
@@ -128,13 +139,15 @@ class ShardedModules:
         options: ShardingOptions,
         collectives: ProcessGroupCollectives,
         device: torch.device,
-        groups: tuple[Any, Any],
+        mesh: Any,
+        replicate_group: Any = None,
     ) -> None:
         self._strategy_ref = weakref.ref(strategy)
         self._options = options
         self._collectives = collectives
         self._device = device
-        self._shard_group, self._replicate_group = groups
+        self._mesh = mesh
+        self._replicate_group = replicate_group
         # Modules that registered parameters in a scope, and parent links seen there.
         self._recorded: list[weakref.ref[torch.nn.Module]] = []
         self._parents: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = (
@@ -144,6 +157,45 @@ class ShardedModules:
         self._sync_disabled = 0
         self._deferred: DeferredInit | None = None
         self._kept: dict[int, torch.Tensor] = {}  # deferred init: id(parameter) -> shard
+        # Optimizers built in the scope over recorded parameters (NOTE [optimizers
+        # built in the scope]).
+        self._watch = OptimizerWatch()
+
+    # -- the engine's parts: capture (`ModuleCapture`) and lifecycle (`ScopeLifecycle`) ---
+
+    def captures(self, module: torch.nn.Module, tensor: torch.Tensor) -> bool:
+        """Not FSDP's own re-registrations (a module with its own __setattr__ at every
+        unshard) nor DTensors (`load_state_dict(assign=True)` of sharded values)."""
+        from torch.distributed.tensor import DTensor
+
+        return not isinstance(tensor, DTensor) and not isinstance(module, FSDPModule)
+
+    def capture_parameter(
+        self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
+    ) -> torch.nn.Parameter | None:
+        """Records the parameter; it stays a plain parameter until FSDP shards it."""
+        self.record(module, name, param)
+        return None
+
+    def capture_submodule(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
+        self.record_child(parent, child)
+
+    def scope_entered(self) -> None:
+        self._watch.start()
+        self.begin_deferred()
+
+    def scope_leaving(self) -> None:
+        self._watch.stop()
+        if self.pending:
+            self.shard_pending()
+
+    def scope_left(self) -> None:
+        """Nothing: the roots were sharded as the strategy's scope was left."""
+
+    def before_run(self) -> None:
+        self._watch.stop()
+        if self.pending:
+            self.shard_pending()
 
     # -- recording in the scope --------------------------------------------------------
 
@@ -151,6 +203,7 @@ class ShardedModules:
         """``module`` registered parameter ``name`` in the scope."""
         if self._deferred is not None:
             self._deferred.registered(module, name, param)
+        self._watch.watch(param)
         if not any(ref() is module for ref in self._recorded):
             self._recorded.append(weakref.ref(module))
 
@@ -164,7 +217,7 @@ class ShardedModules:
         state = torch.get_rng_state()
         if self._collectives.world_size > 1:
             self._collectives.broadcast([state], 0, name="the chief's random state")
-        shard_rank, shard_size = _position_in(self._shard_group)
+        shard_rank, shard_size = self._mesh.get_local_rank(), self._mesh.size()
         chief = self._collectives.rank == 0
         self._deferred = DeferredInit(None if chief else state, shard_rank, shard_size)
 
@@ -230,8 +283,7 @@ class ShardedModules:
         buffers = [
             (m, n, b) for m in root.modules() for n, b in m._buffers.items() if b is not None
         ]
-        mesh = _mesh(self._shard_group, self._device)
-        common: dict[str, Any] = {"mesh": mesh}
+        common: dict[str, Any] = {"mesh": self._mesh}
         if self._options.mixed_precision is not None:
             common["mp_policy"] = self._options.mixed_precision
         if self._options.cpu_offload:
@@ -257,7 +309,7 @@ class ShardedModules:
         for old in originals:
             if id(old) in replaced:
                 old._ds_sharded_away = True  # type: ignore[attr-defined]  # a step over it is refused
-        _repoint_optimizers(replaced)
+        _repoint_optimizers(self._watch.found(), replaced)
         root.register_forward_pre_hook(self._forward_outside_run, prepend=True)
         self._roots.append(weakref.ref(root))
 
@@ -275,8 +327,7 @@ class ShardedModules:
         module.set_gradient_divide_factor(1.0)
         if hasattr(module, "set_reduce_scatter_unused_params"):  # torch 2.11 lacks it
             module.set_reduce_scatter_unused_params(True, recurse=False)
-        state = module._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None) or []
+        groups = _torch.fsdp_param_groups(module)  # raises if torch moved them
         if len(groups) == 1:
             name = _module_name(root, module)
             module.set_custom_all_gather(_WatchedAllGather(self._collectives, groups[0], name))
@@ -424,17 +475,6 @@ def _module_name(root: torch.nn.Module, module: torch.nn.Module) -> str:
     return type(module).__name__
 
 
-def _phase(param_group: Any) -> str:
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
-    state: Any = getattr(param_group, "_training_state", None)
-    if state == TrainingState.FORWARD:
-        return "forward"
-    if state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
-        return "backward"
-    return "unshard"  # outside forward and backward (an explicit unshard)
-
-
 class _Watched:
     """Issues FSDP's collective asynchronously and waits for it under the strategy's
     deadline and diagnosis (`ProcessGroupCollectives.watch`)."""
@@ -450,10 +490,10 @@ class _Watched:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def _label(self, what: str) -> str:
-        return f"FSDP {what} of {self._name!r} ({_phase(self._group)})"
+        return f"FSDP {what} of {self._name!r} ({_torch.fsdp_phase(self._group)})"
 
 
-class _WatchedAllGather(_Watched, AllGather):
+class _WatchedAllGather(_Watched, _AllGather):  # type: ignore[misc]  # an FSDP base: Any
     def __call__(
         self,
         output_tensor: torch.Tensor,
@@ -469,7 +509,7 @@ class _WatchedAllGather(_Watched, AllGather):
         return None  # done: FSDP waits only for a returned work
 
 
-class _WatchedReduceScatter(_Watched, ReduceScatter):
+class _WatchedReduceScatter(_Watched, _ReduceScatter):  # type: ignore[misc]  # an FSDP base: Any
     def __call__(
         self,
         output_tensor: torch.Tensor,
@@ -513,20 +553,29 @@ class _ReplicateAllReduce:
 # -- meshes and optimizers ---------------------------------------------------------------
 
 
-def _mesh(group: Any, device: torch.device) -> Any:
-    from torch.distributed.device_mesh import DeviceMesh
+def device_mesh(
+    device: torch.device, world_size: int, shape: tuple[int, int] | None
+) -> tuple[Any, Any]:
+    """(the 1-D mesh FSDP shards over, HSDP's replicate group or None), built with
+    `init_device_mesh` and named dimensions: ``("shard",)`` over every worker, or
+    ``("replicate", "shard")`` for HSDP (shard groups of consecutive ranks, replicate
+    groups of ranks ``shard`` apart). Every rank builds it, in the same order."""
+    from torch.distributed.device_mesh import init_device_mesh
 
-    return DeviceMesh.from_group(group, device.type)
+    if shape is None:
+        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",)), None
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+    return mesh["shard"], mesh["replicate"].get_group()
 
 
-def _repoint_optimizers(replaced: dict[int, torch.nn.Parameter]) -> None:
+def _repoint_optimizers(
+    optimizers: Sequence[torch.optim.Optimizer], replaced: dict[int, torch.nn.Parameter]
+) -> None:
     """Points optimizers built in the scope from the replaced parameters at the shards
     (NOTE [sharding]); refuses one that already holds state for them."""
     if not replaced:
         return
-    for obj in gc.get_objects():
-        if not issubclass(type(obj), torch.optim.Optimizer):  # type() never runs a proxy's code
-            continue
+    for obj in optimizers:
         held = [p for g in obj.param_groups for p in g["params"] if id(p) in replaced]
         if not held:
             continue
@@ -567,8 +616,6 @@ class DeferredInit:
     """
 
     def __init__(self, chief_state: torch.Tensor | None, rank: int, size: int) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
         self._rank, self._size = rank, size
         self.shards: dict[int, torch.Tensor] = {}  # id(parameter) -> this worker's shard
         self._pending: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
@@ -577,13 +624,13 @@ class DeferredInit:
             self._stack.enter_context(torch.random.fork_rng(devices=[]))
             torch.set_rng_state(chief_state)
 
-        class Guard(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped in torch
+        class Guard(_torch.TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped in torch
             def __torch_dispatch__(
                 self, func: Any, types: Any, args: Any = (), kwargs: Any = None
             ) -> Any:
                 kwargs = kwargs or {}
                 if func._schema.name not in _METADATA_OPS:
-                    for a in torch.utils._pytree.tree_leaves((args, kwargs)):
+                    for a in _torch.tree_leaves((args, kwargs)):
                         if isinstance(a, torch.Tensor) and a.is_meta:
                             raise LateInitError(
                                 f"{func._schema.name} used a parameter after its module was "
@@ -632,11 +679,6 @@ class DeferredInit:
             self._finish()
         finally:
             self._stack.close()
-
-
-def _position_in(group: Any) -> tuple[int, int]:
-    """This process's index in ``group``, and the group's size."""
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _materialize(

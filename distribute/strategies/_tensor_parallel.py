@@ -48,17 +48,18 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import gc
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from distribute import _torch
 from distribute.errors import InvalidArgumentError
 from distribute.strategies._layout import LayoutMap, TensorLayout, resolve_layouts, shard_dims
+from distribute.strategies._optimizer_watch import OptimizerWatch
 
 if TYPE_CHECKING:
     from distribute.collectives.process_group import ProcessGroupCollectives
@@ -212,7 +213,6 @@ class GlobalView:
         if depth:
             return None
         from torch.distributed.tensor import DTensor, Replicate
-        from torch.utils._pytree import tree_map_only
 
         stack = contextlib.ExitStack()
         stack.enter_context(plain_is_replicated())
@@ -228,7 +228,7 @@ class GlobalView:
                 return t
             return DTensor.from_local(t, self._mesh, replicate, run_check=False)
 
-        converted: tuple[tuple[Any, ...], dict[str, Any]] = tree_map_only(
+        converted: tuple[tuple[Any, ...], dict[str, Any]] = _torch.tree_map_only(
             torch.Tensor, to_dtensor, (args, kwargs)
         )
         return converted
@@ -243,9 +243,8 @@ class GlobalView:
             self._state.stack = None
             stack.close()
         from torch.distributed.tensor import DTensor
-        from torch.utils._pytree import tree_map_only
 
-        return tree_map_only(DTensor, lambda t: t.full_tensor(), output)
+        return _torch.tree_map_only(DTensor, lambda t: t.full_tensor(), output)
 
 
 @contextlib.contextmanager
@@ -253,15 +252,11 @@ def plain_is_replicated() -> Iterator[None]:
     """DTensor takes a plain tensor that meets a DTensor as replicated inside the block,
     and leaves the setting as it found it (torch's ``implicit_replication`` turns it
     off on the way out, also inside an outer block that had turned it on)."""
-    from torch.distributed.tensor import DTensor
-
-    dispatcher = DTensor._op_dispatcher
-    before = dispatcher._allow_implicit_replication
-    dispatcher._allow_implicit_replication = True
+    before = _torch.allow_implicit_replication(True)
     try:
         yield
     finally:
-        dispatcher._allow_implicit_replication = before
+        _torch.allow_implicit_replication(before)
 
 
 def _grad_sums_here(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -310,6 +305,8 @@ class LaidOutModules:
         )
         self._roots: list[weakref.ref[torch.nn.Module]] = []
         self.trainable: list[torch.Tensor] = []  # every laid-out trainable parameter
+        # Optimizers built in the scope (NOTE [optimizers built in the scope]).
+        self.optimizers = OptimizerWatch()
 
     @property
     def sharded_by_fsdp(self) -> bool:
@@ -318,8 +315,10 @@ class LaidOutModules:
 
     # -- recording in the scope ------------------------------------------------------------
 
-    def record(self, module: torch.nn.Module) -> None:
-        """``module`` registered a parameter or buffer in the scope."""
+    def record(self, module: torch.nn.Module, tensor: torch.Tensor | None = None) -> None:
+        """``module`` registered a parameter (``tensor``) or buffer in the scope."""
+        if tensor is not None:
+            self.optimizers.watch(tensor)
         if not any(ref() is module for ref in self._recorded):
             self._recorded.append(weakref.ref(module))
 
@@ -476,7 +475,7 @@ class LaidOutModules:
             param._ds_managed_by = strategy  # type: ignore[attr-defined]  # read by the step hooks
             if param.requires_grad:
                 self.trainable.append(param)
-        repoint_optimizers(replaced)
+        repoint_optimizers(self.optimizers.found(), replaced)
         self._roots.append(weakref.ref(root))
 
     @contextlib.contextmanager
@@ -509,14 +508,14 @@ def _slots(
     return found
 
 
-def repoint_optimizers(replaced: dict[int, torch.nn.Parameter]) -> None:
+def repoint_optimizers(
+    optimizers: Sequence[torch.optim.Optimizer], replaced: dict[int, torch.nn.Parameter]
+) -> None:
     """Points optimizers built in the scope from the replaced parameters at their
     DTensors; refuses one that already holds state for them."""
     if not replaced:
         return
-    for obj in gc.get_objects():
-        if not issubclass(type(obj), torch.optim.Optimizer):  # type() never runs a proxy's code
-            continue
+    for obj in optimizers:
         held = [p for g in obj.param_groups for p in g["params"] if id(p) in replaced]
         if not held:
             continue

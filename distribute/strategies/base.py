@@ -23,13 +23,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distribute import context
+from distribute import _torch, context
 from distribute._enums import ReduceOp, VariableAggregation, VariableSynchronization
 from distribute.errors import InvalidArgumentError
+from distribute.strategies import _torch_hooks
 
 if TYPE_CHECKING:
+    from distribute.collectives.base import CrossWorker
     from distribute.context import ReplicaContext
     from distribute.data.options import InputContext, InputOptions, ValueContext
+    from distribute.gradients.base import StepHandler
     from distribute.variables import DistributedVariable
 
 __all__ = ["Strategy", "StrategyExtended", "StrategyScope"]
@@ -103,6 +106,48 @@ class StrategyExtended:
 
         return isinstance(v, DistributedVariable) and v._ds_strategy is self._container_strategy
 
+    # -- the engine's seams: what the layers above read (docs/architecture.md) ----------
+
+    @property
+    def cross_worker(self) -> CrossWorker | None:
+        """The collectives joining this strategy's workers (rank, world size, barrier,
+        reductions), or None when one worker trains alone (nothing to agree on).
+
+        Training, checkpoints and callbacks use it to agree across workers.
+        """
+        return None
+
+    @property
+    def counts_in_worker_sums(self) -> bool:
+        """Whether this worker adds its replicas' values to a sum over `cross_worker`
+        (a count of examples, a loss, a metric's totals). False where another worker
+        holds the same replica and adds them (`ModelParallelStrategy`: the workers off
+        the first model coordinates), so that such a sum counts each replica once."""
+        return True
+
+    @property
+    def worker_index(self) -> int:
+        """This worker's index among the strategy's workers (0: the chief)."""
+        return 0
+
+    @property
+    def num_workers(self) -> int:
+        """How many worker processes the strategy's replicas span."""
+        return 1
+
+    @property
+    def step_handler(self) -> StepHandler | None:
+        """What `optimizer.step()` inside this strategy's `run` does with gradients
+        (`distribute.gradients.base.StepHandler`); None: the optimizer hooks leave
+        its steps alone."""
+        return None
+
+    @property
+    def static_batch_shapes(self) -> bool:
+        """Whether every step must see batches of one shape (XLA compiles per shape):
+        input the library builds pads a partial last batch with weight-0 rows."""
+        return False
+
     # -- internals the rest of the library calls ----------------------------------
 
     def _create_variable(
@@ -153,7 +198,7 @@ class StrategyExtended:
 
     def _set_variable_data(self, var: DistributedVariable, value: torch.Tensor) -> None:
         """``var.data = value``: every copy of ``var`` takes ``value``."""
-        tensor_base: Any = torch._C.TensorBase
+        tensor_base: Any = _torch.TensorBase
         with torch.no_grad():
             tensor_base.data.__set__(var, value)
 
@@ -239,6 +284,7 @@ class StrategyScope:
         self._strategy = strategy
 
     def __enter__(self) -> Strategy:
+        _torch_hooks.ensure_installed()  # NOTE [hooks at first use]
         self._strategy.extended._enter_scope()
         return self._strategy
 
@@ -333,6 +379,7 @@ class Strategy:
             raise InvalidArgumentError(
                 f"run(fn, kwargs=...) expects a dict, got {type(kwargs).__name__}"
             )
+        _torch_hooks.ensure_installed()  # NOTE [hooks at first use]
         return self._extended.call_for_each_replica(fn, args, kwargs)
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:

@@ -16,16 +16,15 @@ Launch with torchrun::
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from distribute import context
+from distribute import _torch
 from distribute.cluster_resolver import ClusterResolver, resolve_cluster
 from distribute.collectives.options import CommunicationOptions
 from distribute.errors import InvalidArgumentError
@@ -38,81 +37,21 @@ from distribute.strategies._cluster import (
     worker_devices,
 )
 from distribute.strategies._devices import device_list
-from distribute.strategies._replicated import ReplicatedExtended
+from distribute.strategies._replicated import (
+    DEFAULT_TIMEOUT_SECONDS,
+    ReplicatedExtended,
+    Workers,
+    replica_devices,
+)
 from distribute.strategies.base import Strategy
 
 if TYPE_CHECKING:
     from distribute.collectives.process_group import ProcessGroupCollectives
-    from distribute.strategies._sharding import ShardedModules, ShardingOptions
+    from distribute.strategies._sharding import ShardingOptions
 
 __all__ = ["FullyShardedStrategy"]
 
 logger = logging.getLogger(__name__)
-
-
-class _ShardedExtended(ReplicatedExtended):
-    """The replicated engine with one replica per worker, whose modules FSDP shards:
-    parameters registered in the scope stay plain and are sharded later; buffers and
-    `ds.Variable`s are mirrored variables as under `MultiWorkerMirroredStrategy`."""
-
-    def __init__(self, container_strategy: Strategy, device: str, timeout: float | None) -> None:
-        super().__init__(container_strategy, [device], timeout_seconds=timeout)
-        self._step_handler = ShardedStepHandler(lambda: self._no_sync_depth > 0)  # type: ignore[assignment]  # a StepHandler of its own
-        self._sharding: ShardedModules | None = None
-
-    def _captures(self, module: torch.nn.Module, tensor: torch.Tensor) -> bool:
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.tensor import DTensor
-
-        # FSDP re-registers its own parameters (a module with its own __setattr__ at
-        # every unshard), and load_state_dict(assign=True) assigns DTensors.
-        return not isinstance(tensor, DTensor) and not isinstance(module, FSDPModule)
-
-    def _capture_parameter(
-        self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
-    ) -> torch.nn.Parameter | None:
-        assert self._sharding is not None
-        self._sharding.record(module, name, param)
-        return None  # a plain parameter until FSDP shards it
-
-    def _capture_submodule(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
-        if self._sharding is not None:
-            self._sharding.record_child(parent, child)
-
-    def _shard_pending(self) -> None:
-        if self._sharding is not None and self._sharding.pending:
-            self._sharding.shard_pending()
-
-    def _enter_scope(self) -> None:
-        super()._enter_scope()
-        if context._scope_depth(self._container_strategy) == 1 and self._sharding is not None:
-            self._sharding.begin_deferred()
-
-    def _exit_scope(self) -> None:
-        if context._scope_depth(self._container_strategy) == 1:
-            try:
-                self._shard_pending()
-            except BaseException:
-                context._exit_scope()  # leave the scope, and nothing more, on the way out
-                raise
-        super()._exit_scope()
-
-    def _before_run(self) -> None:
-        self._shard_pending()
-        super()._before_run()
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally, unreduced and whole
-        (FSDP keeps each unit's unsharded gradient); the step must come after the
-        block, once a backward pass outside it has reduced everything."""
-        assert self._sharding is not None
-        self._no_sync_depth += 1
-        try:
-            with self._sharding.no_sync():
-                yield
-        finally:
-            self._no_sync_depth -= 1
 
 
 class FullyShardedStrategy(WorkerIdentity, Strategy):
@@ -181,7 +120,11 @@ class FullyShardedStrategy(WorkerIdentity, Strategy):
         deferred_init: bool = False,
         devices: str | torch.device | Sequence[str | torch.device] | None = None,
     ) -> None:
-        from distribute.strategies._sharding import ShardedModules, ShardingOptions
+        from distribute.strategies._sharding import (
+            ShardedModules,
+            ShardingOptions,
+            device_mesh,
+        )
 
         options = communication_options or CommunicationOptions()
         resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
@@ -194,21 +137,16 @@ class FullyShardedStrategy(WorkerIdentity, Strategy):
                 "--nproc_per_node=<devices>), or use MultiWorkerMirroredStrategy for several "
                 "local replicas"
             )
-        extended = _ShardedExtended(self, names[0], options.timeout_seconds)
-        super().__init__(extended)
-        device = extended.worker_devices[0]
+        (device,) = replica_devices(names)
+        timeout = float(options.timeout_seconds or DEFAULT_TIMEOUT_SECONDS)
         world_size = resolver.world_size if resolver is not None else 1
         rank = resolver.rank if resolver is not None else 0
         shape = _mesh_shape(mesh_shape, world_size)
-        bound = bind_process(extended.worker_devices)
-        backend = backend_for(options.implementation, extended.worker_devices)
-        self._collectives = _collectives(
-            resolver, rank, world_size, backend, extended._timeout, bound
-        )
-        if world_size > 1:
-            extended._set_workers(rank, world_size, self._collectives)
+        bound = bind_process([device])
+        backend = backend_for(options.implementation, [device])
+        self._collectives = _collectives(resolver, rank, world_size, backend, timeout, bound)
         weakref.finalize(self, self._collectives.shutdown)
-        groups = _groups(shape, rank)
+        mesh, replicate_group = device_mesh(device, dist.get_world_size(), shape)
         self._sharding_options = ShardingOptions(
             reshard_after_forward=reshard_after_forward,
             mesh_shape=shape,
@@ -217,8 +155,20 @@ class FullyShardedStrategy(WorkerIdentity, Strategy):
             cpu_offload=cpu_offload,
             deferred_init=deferred_init,
         )
-        extended._sharding = ShardedModules(
-            self, self._sharding_options, self._collectives, device, groups
+        sharding = ShardedModules(
+            self, self._sharding_options, self._collectives, device, mesh, replicate_group
+        )
+        super().__init__(
+            ReplicatedExtended(
+                self,
+                names,
+                timeout_seconds=timeout,
+                workers=(Workers(rank, world_size, self._collectives) if world_size > 1 else None),
+                # FSDP reduce-scattered every gradient in backward: nothing to sum.
+                step_handler=lambda group: ShardedStepHandler(lambda: not group.syncing),
+                capture=sharding,
+                lifecycle=sharding,
+            )
         )
         self._device = names[0]
         if rank == 0 and world_size > 1:
@@ -289,24 +239,9 @@ def _collectives(
     if dist.is_initialized():
         return ProcessGroupCollectives.adopt(timeout_seconds=timeout)
     # One worker: a group of one, served by an in-process store (no port).
-    from torch._C._distributed_c10d import HashStore
-
-    dist.init_process_group(backend, store=HashStore(), rank=0, world_size=1, device_id=device)
+    dist.init_process_group(
+        backend, store=_torch.HashStore(), rank=0, world_size=1, device_id=device
+    )
     return ProcessGroupCollectives(
         None, None, 0, 1, backend, timeout, owns_group=True, device=device
     )
-
-
-def _groups(shape: tuple[int, int] | None, rank: int) -> tuple[Any, Any]:
-    """(shard group, replicate group): the world and none, or HSDP's (every rank
-    makes every group, in the same order, as `dist.new_group` needs)."""
-    if shape is None:
-        return dist.group.WORLD, None
-    replicate, shard = shape
-    shard_groups = [
-        dist.new_group(list(range(r * shard, (r + 1) * shard))) for r in range(replicate)
-    ]
-    replicate_groups = [
-        dist.new_group(list(range(s, replicate * shard, shard))) for s in range(shard)
-    ]
-    return shard_groups[rank // shard], replicate_groups[rank % shard]

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from distribute import context
+from distribute import _torch, context
 from distribute._enums import ReduceOp, VariableAggregation, VariableSynchronization
 from distribute.cluster_resolver import ClusterResolver, resolve_cluster
 from distribute.collectives._shapes import check_axis
@@ -181,6 +181,31 @@ class _MeshExtended(StrategyExtended):
     def _num_replicas_in_sync(self) -> int:
         return self._plan.batch_size
 
+    # -- the engine's seams (docs/architecture.md, "The engine's seams") ------------------
+
+    @property
+    def cross_worker(self) -> ProcessGroupCollectives | None:
+        return self._cross_worker
+
+    @property
+    def counts_in_worker_sums(self) -> bool:
+        # The workers of a replica hold the same rows and loss: the first model
+        # column's add them, the others 0 (a sum over every worker counts each replica
+        # once; barriers and agreements still join every worker).
+        return self._collectives.first_column
+
+    @property
+    def worker_index(self) -> int:
+        return self._collectives.world.rank
+
+    @property
+    def num_workers(self) -> int:
+        return self._collectives.world.world_size
+
+    @property
+    def step_handler(self) -> MeshStepHandler:
+        return self._step_handler
+
     # -- the scope --------------------------------------------------------------------
 
     def _captures(self, module: torch.nn.Module, tensor: torch.Tensor) -> bool:
@@ -195,7 +220,7 @@ class _MeshExtended(StrategyExtended):
     def _capture_parameter(
         self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
     ) -> torch.nn.Parameter | None:
-        self._layouts.record(module)
+        self._layouts.record(module, param)
         return None  # a plain parameter until the module is laid out
 
     def _capture_buffer(
@@ -218,6 +243,21 @@ class _MeshExtended(StrategyExtended):
         is_buffer: bool = False,
         deferred: bool = False,
     ) -> DistributedVariable:
+        if synchronization is VariableSynchronization.ON_READ and not (
+            trainable or is_param or is_buffer
+        ):
+            # A replica's own sums (a metric's): whole on every worker, read by
+            # aggregating over the batch group (each replica once).
+            from distribute.variables import SyncOnReadVariable
+
+            return SyncOnReadVariable._create(
+                value,
+                self._container_strategy,
+                [self._plan.device],
+                trainable=False,
+                aggregation=aggregation,
+                synchronization=synchronization,
+            )
         raise InvalidArgumentError(
             f"ds.Variable(...) of shape {tuple(value.shape)} was created in the scope of "
             f"{self._container_strategy!r}, which lays out module variables only; register it "
@@ -233,9 +273,15 @@ class _MeshExtended(StrategyExtended):
         if self._gradients is not None:
             self._gradients.track(self._layouts.trainable[known:])
 
+    def _enter_scope(self) -> None:
+        super()._enter_scope()
+        if context._scope_depth(self._container_strategy) == 1:
+            self._layouts.optimizers.start()  # NOTE [optimizers built in the scope]
+
     def _exit_scope(self) -> None:
         if context._scope_depth(self._container_strategy) == 1:
             try:
+                self._layouts.optimizers.stop()
                 self._lay_out_pending()
             except BaseException:
                 context._exit_scope()  # leave the scope, and nothing more, on the way out
@@ -290,6 +336,7 @@ class _MeshExtended(StrategyExtended):
                 f"`run` was called inside a merge_fn of {top.strategy!r}; return from "
                 "merge_fn and call `run` from the outer loop"
             )
+        self._layouts.optimizers.stop()
         self._lay_out_pending()
         strategy = self._container_strategy
         replica_ctx = ReplicaContext(strategy, self._replica_id, 0)
@@ -343,6 +390,19 @@ class _MeshExtended(StrategyExtended):
             return merge_fn(strategy, *args, **kwargs)
 
     # -- cross-replica reductions -----------------------------------------------------
+
+    def _read_sync_on_read(self, var: DistributedVariable) -> torch.Tensor:
+        """The replicas' copies aggregated over the batch group (each replica once:
+        the workers of a replica hold the same copy)."""
+        local = var._plain_component(0).clone()
+        batch = self._collectives.batch
+        if var._ds_aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            batch.broadcast([local], 0, name="SyncOnReadVariable read")
+            return local
+        (total,) = batch.all_reduce([local], ReduceOp.SUM, name="SyncOnReadVariable read")
+        if var._ds_aggregation is VariableAggregation.MEAN:
+            total = total / self._plan.batch_size
+        return total
 
     def _reduce(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
         return pack_sequence_as(value, [self._reduce_leaf(op, v, axis) for v in flatten(value)])
@@ -653,10 +713,10 @@ def _join(
         )
     if dist.is_initialized():
         return ProcessGroupCollectives.adopt(timeout_seconds=timeout)
-    from torch._C._distributed_c10d import HashStore
-
     # One worker: a group of one, served by an in-process store (no port).
-    dist.init_process_group(backend, store=HashStore(), rank=0, world_size=1, device_id=device)
+    dist.init_process_group(
+        backend, store=_torch.HashStore(), rank=0, world_size=1, device_id=device
+    )
     return ProcessGroupCollectives(
         None, None, 0, 1, backend, timeout, owns_group=True, device=device
     )

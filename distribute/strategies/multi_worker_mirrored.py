@@ -30,7 +30,12 @@ from distribute.strategies._cluster import (
     worker_devices,
 )
 from distribute.strategies._devices import device_list
-from distribute.strategies._replicated import ReplicatedExtended
+from distribute.strategies._replicated import (
+    DEFAULT_TIMEOUT_SECONDS,
+    ReplicatedExtended,
+    Workers,
+    replica_devices,
+)
 from distribute.strategies.base import Strategy
 
 if TYPE_CHECKING:
@@ -84,31 +89,30 @@ class MultiWorkerMirroredStrategy(WorkerIdentity, Strategy):
         self._resolver = resolver
         self._options = options
         names = device_list(devices if devices is not None else worker_devices(resolver))
+        replicas = replica_devices(names)  # checked before any process group exists
         bytes_per_pack = options.bytes_per_pack or DEFAULT_BYTES_PER_PACK
-        extended = ReplicatedExtended(
-            self, names, timeout_seconds=options.timeout_seconds, bytes_per_pack=bytes_per_pack
-        )
-        super().__init__(extended)
+        timeout = float(options.timeout_seconds or DEFAULT_TIMEOUT_SECONDS)
         self._collectives: ProcessGroupCollectives | None = None
         world_size = resolver.world_size if resolver is not None else 1
-        bound = bind_process(extended.worker_devices)
+        bound = bind_process(replicas)
+        workers = None
         if resolver is not None and world_size > 1:
             from distribute.collectives.process_group import ProcessGroupCollectives
 
-            backend = backend_for(options.implementation, extended.worker_devices)
+            backend = backend_for(options.implementation, replicas)
             self._collectives = ProcessGroupCollectives.create(
                 resolver.rank,
                 world_size,
                 resolver.master_addr,
                 resolver.master_port,
                 backend=backend,
-                timeout_seconds=extended._timeout,
+                timeout_seconds=timeout,
                 cluster=describe_cluster(resolver, world_size),
                 prefix=resolver.rendezvous_prefix,
                 launcher_serves=resolver.launcher_serves_rendezvous,
                 device=bound if backend == "nccl" else None,
             )
-            extended._set_workers(resolver.rank, world_size, self._collectives)
+            workers = Workers(resolver.rank, world_size, self._collectives)
             weakref.finalize(self, self._collectives.shutdown)
             if resolver.rank == 0:
                 logger.info(
@@ -117,13 +121,22 @@ class MultiWorkerMirroredStrategy(WorkerIdentity, Strategy):
                     len(names),
                     backend,
                 )
+        super().__init__(
+            ReplicatedExtended(
+                self,
+                names,
+                timeout_seconds=timeout,
+                bytes_per_pack=bytes_per_pack,
+                workers=workers,
+            )
+        )
         self._devices = names
 
     def shutdown(self) -> None:
         """Destroys the process group; the strategy cannot run collectives afterwards."""
-        extended = self._extended
-        assert isinstance(extended, ReplicatedExtended)
-        extended._step_handler.close()  # a later backward must not reach them
+        handler = self._extended.step_handler
+        if handler is not None:
+            handler.close()  # a later backward must not reach them
         if self._collectives is not None:
             self._collectives.shutdown()
 

@@ -44,17 +44,18 @@ from distribute.cluster_resolver.select import resolve_cluster
 from distribute.errors import InvalidArgumentError
 from distribute.ps import _runtime
 from distribute.strategies._devices import device_list
-from distribute.strategies.base import Strategy
-from distribute.strategies.parameter_server import (
+from distribute.strategies._ps_engine import (
     DEFAULT_TIMEOUT_SECONDS,
-    _Cluster,
-    _connect,
-    _ParameterServerExtended,
+    ParameterServerVariables,
+    PsCluster,
+    connect,
     leave_cluster,
     shutdown_at_exit,
     start_task,
     task_name,
 )
+from distribute.strategies._replicated import ReplicatedExtended
+from distribute.strategies.base import Strategy
 
 __all__ = ["ParameterServerStrategyV1"]
 
@@ -94,7 +95,7 @@ class ParameterServerStrategyV1(Strategy):
                 "compat.v1.ParameterServerStrategy found no cluster: set TF_CONFIG with "
                 "'worker' and 'ps' jobs and this process's task, or pass a cluster_resolver"
             )
-        cluster = _Cluster(resolver)
+        cluster = PsCluster(resolver)
         if cluster.has_chief:
             raise InvalidArgumentError(
                 "this cluster has a 'chief': that is the TF2 style, where the chief "
@@ -111,22 +112,29 @@ class ParameterServerStrategyV1(Strategy):
         self._cluster = cluster
         self._timeout = float(timeout_seconds)
         self._closed = False
-        self._writes_through = True  # writes outside `run` (a restore) reach the ps
         name = task_name("worker", resolver.task_id)
-        extended = _ParameterServerExtended(
-            self,
+        # Writes outside `run` (a restore) reach the ps.
+        runtime = _runtime.Runtime(name, self._timeout, writes_through_outside_run=True)
+        runtime.strategy = self
+        self._runtime = runtime
+        store = start_task(runtime, lambda: connect(resolver, cluster, name, self._timeout))
+        # Worker 0 sends the initial values; the others wait for them on the store.
+        self._variables = ParameterServerVariables(
             cluster.ps,
             variable_partitioner,
             self._timeout,
-            devices=device_list(list(devices)) if devices is not None else ("cpu",),
+            publishes=resolver.task_id == 0,
+            barrier=store,
         )
-        super().__init__(extended)
-        runtime = _runtime.Runtime(name, self._timeout)
-        runtime.strategy = self
-        self._runtime = runtime
-        store = start_task(runtime, lambda: _connect(resolver, cluster, name, self._timeout))
-        extended._publishes = resolver.task_id == 0
-        extended._barrier = store
+        super().__init__(
+            ReplicatedExtended(
+                self,
+                device_list(list(devices)) if devices is not None else ["cpu"],
+                wrap_single_values=False,
+                home=self._variables,
+                lifecycle=self._variables,
+            )
+        )
         atexit.register(shutdown_at_exit, weakref.ref(self))
 
     def __reduce__(self) -> Any:
@@ -154,9 +162,7 @@ class ParameterServerStrategyV1(Strategy):
 
             loss = strategy.run(step, args=(batch,))
         """
-        ext = self.extended
-        assert isinstance(ext, _ParameterServerExtended)
-        ext._publish()
+        self._variables.publish()
         self._runtime.refresh_whole()
         return super().run(fn, args, kwargs, options)
 

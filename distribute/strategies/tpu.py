@@ -159,7 +159,8 @@ class _LaidOutExtended(ReplicatedExtended):
     placed to `TPUStrategy._lay_out` when the outermost scope is left, or at `run`."""
 
     def __init__(self, strategy: TPUStrategy, devices: Sequence[str]) -> None:
-        super().__init__(strategy, devices, wrap_single_values=False)
+        # ds.Model pads partial batches to the full size (weight 0): XLA compiles per shape.
+        super().__init__(strategy, devices, wrap_single_values=False, static_batch_shapes=True)
         self._parents: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = (
             weakref.WeakKeyDictionary()
         )
@@ -248,9 +249,6 @@ class TPUStrategy(Strategy):
             )
     """
 
-    #: ds.Model pads partial batches to the full size (weight 0) under this strategy.
-    _static_batch_shapes = True
-
     def __init__(
         self,
         tpu_cluster_resolver: TPUClusterResolver | None = None,
@@ -294,7 +292,9 @@ class TPUStrategy(Strategy):
             extended = (
                 _LaidOutExtended(self, [_SPMD_DEVICE])
                 if layout_map is not None
-                else ReplicatedExtended(self, [_SPMD_DEVICE], wrap_single_values=False)
+                else ReplicatedExtended(
+                    self, [_SPMD_DEVICE], wrap_single_values=False, static_batch_shapes=True
+                )
             )
         else:
             devices = [
@@ -308,7 +308,7 @@ class TPUStrategy(Strategy):
                 },
                 key=lambda d: d.index or 0,
             )
-            extended = ReplicatedExtended(self, devices)
+            extended = ReplicatedExtended(self, devices, static_batch_shapes=True)
         # Autograd's device queues were sized at the process's first backward: refuse
         # here, with the fix, what would fail inside autograd at the first step.
         xla.check_autograd(self._step_devices)

@@ -149,7 +149,7 @@ def adapt(
         # Static shapes (XLA): a last, partial batch is padded to the full size with
         # weight-0 rows, so it runs the step already compiled (Keras on TPUs does too);
         # without targets (predict) with zero rows, whose outputs predict drops.
-        pad = bool(len(dataset) % size) and getattr(strategy, "_static_batch_shapes", False)
+        pad = bool(len(dataset) % size) and strategy.extended.static_batch_shapes
         loader = DataLoader(
             dataset,
             batch_size=size,
@@ -184,7 +184,7 @@ def adapt(
 
 def _agreed_seed(strategy: Any, seed: int) -> int:
     """Worker 0's ``seed`` on every worker."""
-    cross = getattr(strategy.extended, "_cross_worker", None)
+    cross = strategy.extended.cross_worker
     if cross is None:
         return seed
     return int(cross.all_reduce_int(seed if cross.rank == 0 else 0, "shuffle seed"))

@@ -328,7 +328,7 @@ class BackupAndRestore(Callback):
         )
         self._manager = CheckpointManager(self._checkpoint, self.backup_dir, max_to_keep=1)
         latest = self._manager.latest_checkpoint
-        cross = getattr(self.model.distribute_strategy.extended, "_cross_worker", None)
+        cross = self.model.distribute_strategy.extended.cross_worker
         if cross is not None:  # every worker restores the same backup, or says why not
             cross.check_same(str(latest), name="backup to restore")
         if latest is not None:

@@ -37,7 +37,7 @@ import contextlib
 import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -55,6 +55,9 @@ from distribute.training._progress import ProgressBar
 from distribute.training._xla_steps import StepExecutions
 from distribute.training.callbacks import Callback, CallbackList, History
 from distribute.values import flatten, map_structure
+
+if TYPE_CHECKING:
+    from distribute.collectives.base import CrossWorker
 
 __all__ = ["Model"]
 
@@ -256,10 +259,11 @@ class Model(torch.nn.Module):
             return data.sizes(step)
         strategy = self._ds_strategy
         local = local_batch_size(strategy, batch)
-        cross = getattr(strategy.extended, "_cross_worker", None)
+        cross = strategy.extended.cross_worker
         if cross is None:
             return local
-        return int(cross.all_reduce_int(local, "global batch size"))  # unknown up front
+        counted = local if strategy.extended.counts_in_worker_sums else 0  # each replica once
+        return int(cross.all_reduce_int(counted, "global batch size"))  # unknown up front
 
     def _sum_loss(self, logs: Any) -> float:
         loss = logs["loss"] if isinstance(logs, dict) else logs
@@ -438,8 +442,8 @@ class Model(torch.nn.Module):
             raise InvalidArgumentError("fit got no data: the dataset is empty")
         return total, count
 
-    def _cross_worker(self) -> Any:
-        return getattr(self._ds_strategy.extended, "_cross_worker", None)
+    def _cross_worker(self) -> CrossWorker | None:
+        return self._ds_strategy.extended.cross_worker
 
     def _reduce_step(
         self, logs: Any, running: bool, first: bool
@@ -453,11 +457,14 @@ class Model(torch.nn.Module):
         if cross is None:
             value = float(strategy.reduce("sum", loss, axis=None))
             return value, False, (self._running_metrics() if running else {})
-        local = sum(float(t) for t in strategy.experimental_local_results(loss))
+        # The loss and metric totals count each replica once (a worker whose
+        # replica another worker adds adds 0); the stop flag is every worker's.
+        counts = 1.0 if strategy.extended.counts_in_worker_sums else 0.0
+        local = sum(float(t) for t in strategy.experimental_local_results(loss)) * counts
         summable = [m for m in self._metrics if not isinstance(m, metrics_lib.TorchMetric)]
         parts = [torch.tensor([local, float(self.stop_training)], dtype=torch.float64)]
         if running:
-            parts += [m.local_totals() for m in summable]
+            parts += [m.local_totals() * counts for m in summable]
         packed = cross.all_reduce([torch.cat(parts)], ReduceOp.SUM, name="fit step", check=first)[0]
         metrics: dict[str, float] = {}
         if running:
@@ -597,7 +604,7 @@ class Model(torch.nn.Module):
         return resolver is None or resolver.rank == 0
 
     def _barrier(self, name: str) -> None:
-        cross = getattr(self._ds_strategy.extended, "_cross_worker", None)
+        cross = self._ds_strategy.extended.cross_worker
         if cross is not None:
             cross.barrier(name)
 

@@ -1,5 +1,6 @@
 """The local launcher: worker processes with a cluster in their environment, started
-as new interpreters ("fresh") or forked from a preloaded one ("preloaded")."""
+as new interpreters ("fresh", what `launch.run` does) or, under the test suite's
+plugin (tests/_preloaded_launch.py), forked from a preloaded one ("preloaded")."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _preloaded_launch import starting
 
 from distribute import launch
 from distribute.cluster_resolver import resolve_cluster
@@ -22,6 +24,12 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(60)]
 
 ENV = {"OMP_NUM_THREADS": "1"}
 STARTS = pytest.mark.parametrize("start", ["fresh", "preloaded"])
+
+
+def _run(*args: Any, start: str, **kwargs: Any) -> list[Any]:
+    """`launch.run`, its workers started ``start``-wise."""
+    with starting(start):
+        return launch.run(*args, **kwargs)
 
 
 def _describe_worker(x: int, *, scale: int) -> dict[str, Any]:
@@ -42,7 +50,7 @@ def _describe_worker(x: int, *, scale: int) -> dict[str, Any]:
 
 @STARTS
 def test_torchrun_launch_returns_results_in_rank_order_with_a_shared_master(start: str) -> None:
-    results = launch.run(
+    results = _run(
         _describe_worker,
         3,
         args=(7,),
@@ -62,7 +70,7 @@ def test_torchrun_launch_returns_results_in_rank_order_with_a_shared_master(star
 
 @STARTS
 def test_tf_config_launch_gives_each_worker_its_task_and_worker_zero_as_master(start: str) -> None:
-    results = launch.run(
+    results = _run(
         _describe_worker, 2, args=(1,), kwargs={"scale": 1}, launcher="tf_config", start=start
     )
     assert [r["task"] for r in results] == [("worker", 0), ("worker", 1)]
@@ -94,7 +102,7 @@ def test_a_worker_exception_is_reraised_with_rank_and_traceback_and_the_others_k
     tmp_path: Path, start: str
 ) -> None:
     with pytest.raises(WorkerError) as info:
-        launch.run(_fail_on_rank_one, 2, args=(str(tmp_path),), timeout=30, env=ENV, start=start)
+        _run(_fail_on_rank_one, 2, args=(str(tmp_path),), timeout=30, env=ENV, start=start)
     message = str(info.value)
     assert "worker rank 1 raised ValueError: bad batch on rank one" in message
     assert "--- traceback of rank 1 ---" in message and "_fail_on_rank_one" in message
@@ -136,7 +144,7 @@ def test_the_timeout_kills_every_worker_and_names_the_ranks_still_running(
 ) -> None:
     expected = rf"timed out after {timeout} s; ranks \[0, 1\] were still"
     with pytest.raises(WorkerError, match=expected):
-        launch.run(_block_forever, 2, args=(str(tmp_path),), timeout=timeout, env=ENV, start=start)
+        _run(_block_forever, 2, args=(str(tmp_path),), timeout=timeout, env=ENV, start=start)
     pids = [int(p.read_text()) for p in sorted(tmp_path.glob("*.pid"))]
     assert len(pids) == 2 and not any(_is_running(p) for p in pids)
 
@@ -146,13 +154,35 @@ def test_functions_that_cannot_be_sent_by_reference_are_refused_before_any_start
         launch.run(lambda: 1, 2)
     with pytest.raises(InvalidArgumentError, match="launcher must be one of"):
         launch.run(_describe_worker, 2, launcher="mpirun")
-    with pytest.raises(InvalidArgumentError, match="start must be one of"):
-        launch.run(_describe_worker, 2, start="forked")
     with pytest.raises(InvalidArgumentError, match="num_workers must be at least 1"):
         launch.run(_describe_worker, 0)
 
 
-# -- the preloaded start ---------------------------------------------------------------
+_WITHOUT_THE_PLUGIN = """
+import os
+from distribute import launch
+from test_launch import _parent_pid
+
+print(sorted(set(launch.run(_parent_pid, 2, timeout=60))), os.getpid())
+"""
+
+
+def test_outside_the_test_suite_launch_run_starts_new_interpreters_as_users_run(
+    tmp_path: Path,
+) -> None:
+    """The package has no fork server: a script's workers are its own children."""
+    script = tmp_path / "plain.py"
+    script.write_text(_WITHOUT_THE_PLUGIN)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=90
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    parents, launcher = done.stdout.strip().splitlines()[-1].rsplit(" ", 1)
+    assert parents == f"[{launcher}]"
+
+
+# -- the preloaded start (the test suite's plugin) ----------------------------------------
 
 
 def _import_time_state() -> dict[str, Any]:
@@ -167,9 +197,9 @@ def _import_time_state() -> dict[str, Any]:
 
 
 def test_preloaded_workers_see_at_import_the_environment_new_interpreters_would() -> None:
-    fresh = launch.run(_import_time_state, 2, env={"OMP_NUM_THREADS": "2"}, start="fresh")
-    one = launch.run(_import_time_state, 2, env={"OMP_NUM_THREADS": "1"}, start="preloaded")
-    two = launch.run(_import_time_state, 2, env={"OMP_NUM_THREADS": "2"}, start="preloaded")
+    fresh = _run(_import_time_state, 2, env={"OMP_NUM_THREADS": "2"}, start="fresh")
+    one = _run(_import_time_state, 2, env={"OMP_NUM_THREADS": "1"}, start="preloaded")
+    two = _run(_import_time_state, 2, env={"OMP_NUM_THREADS": "2"}, start="preloaded")
     assert [r["threads"] for r in fresh] == [2, 2]
     # One preloaded interpreter per environment: the thread count follows the variable.
     assert [r["threads"] for r in one] == [1, 1] and [r["threads"] for r in two] == [2, 2]
@@ -216,7 +246,7 @@ def test_a_worker_exits_as_an_interpreter_does_threads_joined_atexit_run_files_f
     tmp_path: Path, start: str
 ) -> None:
     buffered = {"PYTHONUNBUFFERED": ""}  # empty: unset (this machine sets it)
-    ran = launch.run(_exit_work, 2, args=(str(tmp_path),), timeout=30, env=buffered, start=start)
+    ran = _run(_exit_work, 2, args=(str(tmp_path),), timeout=30, env=buffered, start=start)
     assert ran == [0, 1]
     names = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("c-stdio"))
     assert names == ["atexit-0", "atexit-1", "file-0", "file-1", "thread-0", "thread-1"]
@@ -230,7 +260,7 @@ def _parent_pid() -> int:
 
 def test_one_preloaded_interpreter_serves_every_call_with_the_same_environment() -> None:
     def parents(extra: dict[str, str]) -> set[int]:
-        return set(launch.run(_parent_pid, 2, env=extra, timeout=60, start="preloaded"))
+        return set(_run(_parent_pid, 2, env=extra, timeout=60, start="preloaded"))
 
     first = parents({"PYTEST_CURRENT_TEST": "a (call)"})
     # pytest's name of the running test differs from call to call and is read by
@@ -244,10 +274,10 @@ def test_one_preloaded_interpreter_serves_every_call_with_the_same_environment()
 _IGNORING_SIGCHLD = """
 import signal, sys
 from distribute import launch
-from test_launch import _sigchld_disposition
+from test_launch import _run, _sigchld_disposition
 
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # a parent that never waits for children
-print(launch.run(_sigchld_disposition, 2, timeout=60, start=sys.argv[1]))
+print(_run(_sigchld_disposition, 2, timeout=60, start=sys.argv[1]))
 """
 
 

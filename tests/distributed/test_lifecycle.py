@@ -371,6 +371,7 @@ def test_ctrl_c_in_a_collective_exits_at_once_and_the_peer_names_it_gone() -> No
 
 _PARENT = """
 import sys, time
+from _preloaded_launch import starting
 from distribute import launch
 
 def hold():
@@ -380,7 +381,8 @@ def hold():
     time.sleep(120)  # a long step; the parent is killed meanwhile
 
 if __name__ == "__main__":
-    launch.run(hold, 2, timeout=200)
+    with starting(sys.argv[1]):
+        launch.run(hold, 2, timeout=200)
 """
 
 
@@ -393,9 +395,10 @@ def test_killed_launcher_leaves_no_temporary_directory_and_no_workers(
     script.write_text(_PARENT)
     temp = tmp_path / "tmp"
     temp.mkdir()
+    tests = Path(__file__).parent.parent  # tests/_preloaded_launch.py: the fork server
     parent = subprocess.Popen(
-        [sys.executable, str(script)],
-        env={**ENV, "TMPDIR": str(temp), launch.START_VARIABLE: start},
+        [sys.executable, str(script), start],
+        env={**ENV, "TMPDIR": str(temp), "PYTHONPATH": os.pathsep.join([str(tests), str(ROOT)])},
         cwd=tmp_path,
     )
     deadline = time.monotonic() + 60

@@ -52,3 +52,31 @@ def test_the_store_listens_on_the_given_address_only() -> None:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux interface names")
 def test_tensorpipe_listens_on_the_interface_of_the_address() -> None:
     assert interface_of("127.0.0.1") == "lo"
+
+
+def test_a_launcher_gives_each_task_the_interface_of_its_address() -> None:
+    """`LocalCluster` puts it in the tasks' environment (NOTE [rpc's listening
+    interface]); the library writes no variable into its own process."""
+    from distribute.ps._transport import listening_environment
+
+    assert listening_environment("127.0.0.1") == {"TP_SOCKET_IFNAME": "lo"}
+    assert listening_environment("192.0.2.254") == {}  # TEST-NET: no interface has it
+
+
+def test_a_task_whose_hostname_resolves_elsewhere_is_told_which_interface_to_set(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from distribute.ps import _transport
+
+    monkeypatch.delenv("TP_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(_transport, "_hostname_address", lambda: "192.0.2.254")
+    with caplog.at_level(logging.WARNING, logger=_transport.__name__):
+        _transport._check_listening_interface("127.0.0.1")
+    assert "set TP_SOCKET_IFNAME=lo" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("TP_SOCKET_IFNAME", "lo")  # the user chose: nothing to say
+    with caplog.at_level(logging.WARNING, logger=_transport.__name__):
+        _transport._check_listening_interface("127.0.0.1")
+    assert caplog.text == ""

@@ -1,8 +1,8 @@
-"""A preloaded interpreter that forks `distribute.launch.run`'s workers.
+"""The test suite's preloaded interpreter that forks `distribute.launch.run`'s workers.
 
-Usage (by the launcher only)::
+Usage (by tests/_preloaded_launch.py only)::
 
-    python -m distribute._zygote
+    python tests/_preloaded_server.py
 
 Importing torch and `distribute` takes a new interpreter 1.5-2.5 s of CPU time, the
 bulk of a short multi-process test. This process pays it once: it imports
@@ -20,10 +20,13 @@ worker). End of stdin (the launcher exited, or died) ends this process; its
 workers notice their parent is gone and exit (`distribute._launch_child`). A
 worker exits without tearing its modules down (`_exit_quickly`).
 
-The launcher keeps one such process per environment (less the per-rank
+The plugin keeps one such process per environment (less the per-rank
 variables), so a worker sees at import time exactly the environment a new
 interpreter would have seen; the per-rank variables are set before the worker's
 function is imported.
+
+Linux (and other POSIX systems) only: it forks. This is test machinery, not part of
+the package: users' workers are new interpreters (`launch.run`), as torchrun's are.
 """
 
 from __future__ import annotations
@@ -147,6 +150,7 @@ def main() -> int:
     os.dup2(2, 1)  # stray prints go to stderr, never into the protocol
     out = os.fdopen(protocol_fd, "w", buffering=1, closefd=False)
     import distribute  # noqa: F401 - the point of this process: pay the imports once
+    from distribute import _launch_child  # noqa: F401 - what every worker runs
 
     out.write("ready\n")
     out.flush()

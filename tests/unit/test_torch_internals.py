@@ -1,0 +1,137 @@
+"""The private torch names the library uses live in `distribute/_torch.py` alone, and
+every one resolves on the installed torch (NOTE [private torch]): a torch upgrade that
+moves one fails here, loudly, instead of turning a feature off."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import distribute as ds
+from distribute import _torch
+
+PACKAGE = Path(ds.__file__).parent
+
+#: torch_xla's internals stay with the one module that imports torch_xla (lazily; the
+#: XLA lane checks them), and `_torch.py` is where the rest are.
+_ALLOWED = {"_torch.py", "collectives/xla.py"}
+
+
+def _private_torch_references(path: Path) -> list[str]:
+    """``torch.x._y``-style names and imports of private torch modules or names."""
+    tree = ast.parse(path.read_text(), str(path))
+    torch_names = {"torch"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("torch"):
+                    torch_names.add(alias.asname or alias.name.split(".")[0])
+                    if any(part.startswith("_") for part in alias.name.split(".")):
+                        found.append(f"{node.lineno}: import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+            module = node.module or ""
+            for alias in node.names:
+                torch_names.add(alias.asname or alias.name)
+                private_module = any(part.startswith("_") for part in module.split("."))
+                if private_module or alias.name.startswith("_"):
+                    found.append(f"{node.lineno}: from {module} import {alias.name}")
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in torch_names:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_but_torch_py_names_a_private_torch_name() -> None:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative in _ALLOWED:
+            continue
+        references = _private_torch_references(path)
+        if references:
+            found[relative] = references
+    assert not found, f"private torch names outside distribute/_torch.py: {found}"
+
+
+def test_the_check_finds_what_it_looks_for() -> None:
+    """The scan above is not vacuous: `_torch.py` itself is full of such names."""
+    assert len(_private_torch_references(PACKAGE / "_torch.py")) >= 10
+
+
+def test_every_private_torch_name_resolves_on_the_installed_torch() -> None:
+    assert _torch.missing_names() == [], (
+        f"torch {torch.__version__} lacks these names distribute uses "
+        f"(checked on {_torch.CHECKED_ON}): {_torch.missing_names()}"
+    )
+
+
+def test_a_missing_name_raises_naming_the_torch_version_and_the_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delattr(torch.distributed.distributed_c10d, "_abort_process_group")
+    with pytest.raises(_torch.TorchInternalsError, match=re.escape(torch.__version__)) as caught:
+        _torch.abort_process_group(None)
+    assert "_abort_process_group" in str(caught.value)
+    assert "distribute/_torch.py" in str(caught.value)
+    assert isinstance(caught.value, ds.errors.DistributeError)
+    assert "torch.distributed.distributed_c10d._abort_process_group" in _torch.missing_names()
+
+
+def test_fsdp_state_read_from_a_module_without_it_raises_instead_of_watching_nothing() -> None:
+    with pytest.raises(_torch.TorchInternalsError, match="_get_fsdp_state"):
+        _torch.fsdp_param_groups(torch.nn.Linear(2, 2))
+
+
+_LIVE_FSDP = """
+import json
+import torch
+import distribute as ds
+from distribute import _torch
+
+strategy = ds.experimental.FullyShardedStrategy()  # one worker, a group of one
+with strategy.scope():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+groups = _torch.fsdp_param_groups(model[0])
+seen = {"groups": len(groups), "idle": _torch.fsdp_phase(groups[0])}
+phases = []
+hook = model[0].register_forward_pre_hook(
+    lambda module, args: phases.append(_torch.fsdp_phase(_torch.fsdp_param_groups(module)[0]))
+)
+strategy.run(lambda: model(torch.ones(2, 4)).sum().backward())
+seen["forward"] = phases[0]
+strategy.shutdown()
+print(json.dumps(seen))
+"""
+
+
+def test_fsdp_internals_resolve_on_a_live_sharded_module() -> None:
+    """FSDP's param groups and their phase, read through `_torch.py` from a module the
+    strategy sharded (in a new interpreter: it makes a process group of one)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PACKAGE.parent), *sys.path])}
+    out = subprocess.run(
+        [sys.executable, "-c", _LIVE_FSDP],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen == {"groups": 1, "idle": "unshard", "forward": "forward"}, seen
