@@ -20,6 +20,7 @@ complete when its constructor returns:
 
 `_sharding.ShardedModules` is the sharded strategy's capture and lifecycle;
 `_ps_engine.ParameterServerVariables` is the parameter-server strategies' home and
+lifecycle; `tpu._GspmdLayout` is TPUStrategy's (with a layout map) capture and
 lifecycle.
 """
 
@@ -37,6 +38,7 @@ from distribute._enums import VariableAggregation, VariableSynchronization
 if TYPE_CHECKING:
     from distribute.collectives.base import CrossWorker
     from distribute.gradients.base import ReplicaGroup, StepHandler
+    from distribute.variables import DistributedVariable
 
 __all__ = ["ModuleCapture", "ScopeLifecycle", "StepHandlerFactory", "VariableHome", "Workers"]
 
@@ -115,11 +117,19 @@ class ScopeLifecycle(Protocol):
         ...
 
     def scope_left(self) -> None:
-        """The last scope of any strategy was left (the context stack is empty)."""
+        """The outermost scope was left (the engine has placed and broadcast its
+        variables and popped the scope)."""
         ...
 
     def before_run(self) -> None:
         """`run` begins (before the engine places and broadcasts pending variables)."""
+        ...
+
+    def placed(self, variables: list[DistributedVariable]) -> None:
+        """The variables the engine registered since the last call, now placed and
+        holding the chief's values: called when the outermost scope has been left
+        (before `scope_left`) and when `run` has prepared its variables, with an
+        empty list when there are none."""
         ...
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from distribute import context
 from distribute._enums import VariableAggregation, VariableSynchronization
 from distribute.cluster_resolver.base import ClusterResolver
 from distribute.cluster_resolver.cluster_spec import split_host_port
@@ -316,8 +317,13 @@ class ParameterServerVariables:
         """Nothing: publishing waits until no scope is left (below)."""
 
     def scope_left(self) -> None:
-        """Publishes what the scopes created (a module has initialized it by now)."""
-        self.publish()
+        """Publishes what the scopes created once no scope is left (a module has
+        initialized it by now)."""
+        if context._top() is None:
+            self.publish()
+
+    def placed(self, variables: list[Any]) -> None:
+        """Nothing: ps variables are not the engine's to place."""
 
     def before_run(self) -> None:
         """Nothing: compat.v1's `run` publishes and refreshes first."""

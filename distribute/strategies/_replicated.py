@@ -173,6 +173,8 @@ class ReplicatedExtended(StrategyExtended):
         self._run_owner: threading.Thread | None = None
         self.experimental_aggregate_gradients = True
         self._no_sync_depth = 0
+        # Variables registered since the lifecycle last heard of them (`placed`).
+        self._newly_placed: list[DistributedVariable] = []
         group = _ReplicaGroup(self)
         if step_handler is None:
             from distribute.gradients.synchronous import SynchronousStepHandler
@@ -341,11 +343,17 @@ class ReplicatedExtended(StrategyExtended):
         self._broadcast_initial_values()
         if self._num_replicas_in_sync() > 1 and self._buffers:
             self._adopt_replaced_buffers()
-        if self._num_local == 1:
-            return
-        for var in self._live_variables():
-            if var._ds_synchronization is not VariableSynchronization.ON_READ:
-                var._sync_from_primary()  # copies written in cross-replica code only
+        if self._num_local > 1:
+            for var in self._live_variables():
+                if var._ds_synchronization is not VariableSynchronization.ON_READ:
+                    var._sync_from_primary()  # copies written in cross-replica code only
+        if self._lifecycle is not None:
+            self._hand_placed(self._lifecycle)
+
+    def _hand_placed(self, lifecycle: ScopeLifecycle) -> None:
+        """Tells the lifecycle which variables were registered since it last heard."""
+        placed, self._newly_placed = self._newly_placed, []
+        lifecycle.placed(placed)
 
     def _after_run(self) -> None:
         if self._num_replicas_in_sync() == 1:
@@ -473,6 +481,8 @@ class ReplicatedExtended(StrategyExtended):
         ):
             self._pending_broadcast.append(var)
         self._variables.add(var)
+        if self._lifecycle is not None:
+            self._newly_placed.append(var)
 
     def _place_variables(self, only: DistributedVariable | None = None) -> None:
         self._placement.place(only)
@@ -545,7 +555,8 @@ class ReplicatedExtended(StrategyExtended):
                 self._broadcast_initial_values()
         finally:
             super()._exit_scope()
-        if self._lifecycle is not None and context._top() is None:
+        if outermost and self._lifecycle is not None:
+            self._hand_placed(self._lifecycle)
             self._lifecycle.scope_left()
 
     def _skip_grads_in_this_replica(self) -> bool:

@@ -192,6 +192,9 @@ class ShardedModules:
     def scope_left(self) -> None:
         """Nothing: the roots were sharded as the strategy's scope was left."""
 
+    def placed(self, variables: list[Any]) -> None:
+        """Nothing: buffers and `ds.Variable`s stay mirrored variables."""
+
     def before_run(self) -> None:
         self._watch.stop()
         if self.pending:

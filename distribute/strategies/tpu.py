@@ -56,7 +56,7 @@ from distribute.strategies._layout import LayoutMap, resolve_layouts
 from distribute.strategies._replicated import ReplicatedExtended
 from distribute.strategies.base import Strategy
 from distribute.tpu import DeviceAssignment, initialize_tpu_system
-from distribute.variables import DistributedVariable
+from distribute.variables import DistributedVariable, capture_parameter
 
 __all__ = ["TPUStrategy"]
 
@@ -153,41 +153,58 @@ class _SpmdLayout:
         return tensor
 
 
-class _LaidOutExtended(ReplicatedExtended):
-    """SPMD mode with a ``layout_map``: remembers which module holds which submodule
-    (a variable's path is known once its model is built) and hands the variables it
-    placed to `TPUStrategy._lay_out` when the outermost scope is left, or at `run`."""
+class _GspmdLayout:
+    """SPMD mode with a ``layout_map``: the replicated engine's `ModuleCapture` and
+    `ScopeLifecycle` (`_engine_parts.py`). Parameters become the engine's variables as
+    usual; it remembers which module holds which submodule (a variable's path is known
+    once its model is built) and hands the variables the engine placed to
+    `TPUStrategy._lay_out` when the outermost scope is left, or at `run`."""
 
-    def __init__(self, strategy: TPUStrategy, devices: Sequence[str]) -> None:
-        # ds.Model pads partial batches to the full size (weight 0): XLA compiles per shape.
-        super().__init__(strategy, devices, wrap_single_values=False, static_batch_shapes=True)
+    def __init__(self, strategy: TPUStrategy) -> None:
+        self._strategy_ref = weakref.ref(strategy)
         self._parents: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = (
             weakref.WeakKeyDictionary()
         )
-        self._placed: list[DistributedVariable] = []
 
-    def _capture_submodule(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
+    @property
+    def _strategy(self) -> TPUStrategy:
+        strategy = self._strategy_ref()
+        assert strategy is not None, "the strategy is gone"
+        return strategy
+
+    # -- capture ------------------------------------------------------------------------
+
+    def captures(self, module: torch.nn.Module, tensor: torch.Tensor) -> bool:
+        return True
+
+    def capture_parameter(
+        self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
+    ) -> torch.nn.Parameter | None:
+        return capture_parameter(self._strategy, module, name, param)
+
+    def capture_submodule(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
         self._parents[child] = parent
 
-    def _register_variable(self, var: DistributedVariable) -> None:
-        super()._register_variable(var)
-        self._placed.append(var)
+    # -- lifecycle ----------------------------------------------------------------------
 
-    def _lay_out_placed(self) -> None:
-        placed, self._placed = self._placed, []
-        if placed:
-            strategy: TPUStrategy = self._container_strategy  # type: ignore[assignment]
-            strategy._lay_out(placed, self._parents)
+    def placed(self, variables: list[DistributedVariable]) -> None:
+        if variables:
+            self._strategy._lay_out(variables, self._parents)
 
-    def _exit_scope(self) -> None:
-        outermost = context._scope_depth(self._container_strategy) == 1
-        super()._exit_scope()
-        if outermost:
-            self._lay_out_placed()
+    def scope_entered(self) -> None:
+        """Nothing: variables are laid out once placed (`placed`)."""
 
-    def _before_run(self) -> None:
-        super()._before_run()
-        self._lay_out_placed()
+    def scope_leaving(self) -> None:
+        """Nothing: the engine places the variables first."""
+
+    def scope_left(self) -> None:
+        """Nothing more than `placed`."""
+
+    def before_run(self) -> None:
+        """Nothing: the engine places the variables first."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
 
 class TPUStrategy(Strategy):
@@ -289,12 +306,16 @@ class TPUStrategy(Strategy):
                 xr.use_spmd()  # before any XLA tensor of this process exists
             self._layout = _SpmdLayout(assignment, num_devices)
             self._step_devices = [torch.device(_SPMD_DEVICE)]
-            extended = (
-                _LaidOutExtended(self, [_SPMD_DEVICE])
-                if layout_map is not None
-                else ReplicatedExtended(
-                    self, [_SPMD_DEVICE], wrap_single_values=False, static_batch_shapes=True
-                )
+            layout = _GspmdLayout(self) if layout_map is not None else None
+            # ds.Model pads partial batches to the full size (weight 0): XLA compiles
+            # per shape.
+            extended = ReplicatedExtended(
+                self,
+                [_SPMD_DEVICE],
+                wrap_single_values=False,
+                static_batch_shapes=True,
+                capture=layout,
+                lifecycle=layout,
             )
         else:
             devices = [
