@@ -32,12 +32,14 @@ their presence is checked here (`INSTANCE_ATTRIBUTES`).
 
 from __future__ import annotations
 
+import datetime
 import importlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d
 from torch._C._distributed_c10d import HashStore, PrefixStore, Store, TCPStore
 from torch.amp import grad_scaler as _grad_scaler
 from torch.utils import _python_dispatch, _pytree
@@ -48,6 +50,7 @@ __all__ = [
     "CHECKED_ON",
     "INSTANCE_ATTRIBUTES",
     "LAZY_NAMES",
+    "OPTION_ATTRIBUTES",
     "DisableTorchFunctionSubclass",
     "HashStore",
     "PrefixStore",
@@ -59,6 +62,7 @@ __all__ = [
     "abort_process_group",
     "allow_implicit_replication",
     "autograd_execution_engine",
+    "backend_options",
     "default_store",
     "disabled_torch_function_impl",
     "flatten_dense_tensors",
@@ -167,6 +171,17 @@ def abort_process_group(group: Any) -> None:
     abort(group)
 
 
+def backend_options(backend: str, timeout: datetime.timedelta) -> Any:
+    """A process group's options carrying ``timeout`` (``init_device_mesh``'s
+    ``backend_override``, which reads it from the private ``_timeout``)."""
+    if backend == "nccl":
+        options: Any = dist.ProcessGroupNCCL.Options()
+    else:
+        options = _c10d.Backend.Options(backend, timeout)
+    options._timeout = timeout
+    return options
+
+
 # -- FSDP2 (torch.distributed.fsdp._fully_shard), imported when first used ----------------------
 
 
@@ -260,6 +275,10 @@ LAZY_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.distributed.distributed_c10d", "_abort_process_group"),
 )
 
+#: Private attributes of torch objects the library writes (a group option's timeout,
+#: which `init_device_mesh` reads back; checked by `missing_names` on a fresh object).
+OPTION_ATTRIBUTES: tuple[str, ...] = ("_timeout",)
+
 #: Private attributes of torch objects the library reads where it uses them (every
 #: module's and tensor's; FSDP's are read through the functions above, and checked on a
 #: live sharded module by the tests).
@@ -282,6 +301,8 @@ def missing_names() -> list[str]:
                 owner = _attribute(owner, part)
         except TorchInternalsError:
             missing.append(f"{module}.{name}")
+    options = _c10d.Backend.Options("gloo", datetime.timedelta(seconds=1))
+    missing += [f"Backend.Options.{n}" for n in OPTION_ATTRIBUTES if not hasattr(options, n)]
     samples = {"torch.nn.Module": torch.nn.Module(), "torch.Tensor": torch.zeros(1)}
     for owner, name in INSTANCE_ATTRIBUTES:
         if not hasattr(samples[owner], name):

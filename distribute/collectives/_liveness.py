@@ -42,7 +42,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from distribute._torch import Store
@@ -54,6 +54,7 @@ __all__ = [
     "PeerReport",
     "WatchState",
     "diagnose",
+    "diagnose_transport",
     "explain",
     "local_address_towards",
     "mismatch_error",
@@ -421,6 +422,74 @@ def diagnose(
             f"{what} {verb} after {elapsed:.1f} s on rank {rank} (timeout {timeout:.1f} s) "
             "although every rank arrived: the transport is too slow or broken. Raise "
             f"CommunicationOptions(timeout_seconds=...) or check the network.{cause}"
+        )
+    liveness.publish_verdict(probe_id, message, reports, grace)
+    return CollectiveTimeoutError(message)
+
+
+def diagnose_transport(
+    liveness: Liveness | None,
+    state: WatchState,
+    what: str,
+    *,
+    rank: int,
+    timeout: float,
+    grace: float,
+    elapsed: float,
+    exc: BaseException | None,
+    describe: Callable[[int], str] = lambda r: f"rank {r}",
+) -> CollectiveTimeoutError:
+    """The error for a collective that failed in code that numbers no collectives
+    (torch's own: DTensor's redistributions, FSDP inside a mesh, a sub-group): which
+    ranks are gone, named by ``describe`` (global ranks, with their mesh coordinates).
+
+    Probes every rank (a live one is told the group broke, as by `diagnose`) and
+    publishes the verdict. Ranks that answer are not blamed: their position in a
+    collective that is not numbered cannot be compared.
+
+    Example::
+
+        error = diagnose_transport(liveness, state, "a DTensor collective in the step",
+                                   rank=0, timeout=30.0, grace=1.0, elapsed=0.2, exc=exc)
+    """
+    cause = f" The backend said: {exc}" if exc is not None else ""
+    head = f"{what} failed on {describe(rank)} after {elapsed:.1f} s (timeout {timeout:.1f} s)"
+    if liveness is None:
+        return CollectiveTimeoutError(
+            f"{head}; the missing ranks cannot be named because the process group's store "
+            f"cannot be shared. Check that no process died.{cause}"
+        )
+    interrupt = state.interrupt
+    if interrupt is not None and interrupt.probe_id is not None:
+        verdict = liveness.await_verdict(interrupt.probe_id, 2 * grace + 1.0)
+        if verdict is not None:
+            return CollectiveTimeoutError(
+                f"{head}: {describe(interrupt.prober)} gave up on the group first. Its "
+                f"diagnosis: {verdict}"
+            )
+    state.diagnosing = True
+    try:
+        probe_id, reports = liveness.probe((0, what), grace)
+    finally:
+        state.diagnosing = False
+    lost = sorted(r for r, report in reports.items() if not report.alive)
+    if lost:
+        clauses = [
+            f"{describe(r)} is dead (its process is gone, or it shut down)"
+            if reports[r].gone
+            else f"{describe(r)} does not answer (its host is down, or its process died or "
+            "is frozen)"
+            for r in lost
+        ]
+        message = (
+            f"{head}: ranks {lost} are lost: {'; '.join(clauses)}. Check the log of "
+            f"{describe(lost[0])} for why it died or hangs, then restart every worker."
+        )
+    else:
+        message = (
+            f"{head} although every rank answers: a rank called a different collective, or "
+            "the transport is too slow or broken. Every worker must run the same steps; if "
+            f"one is legitimately slow, raise CommunicationOptions(timeout_seconds=...).{cause}"
         )
     liveness.publish_verdict(probe_id, message, reports, grace)
     return CollectiveTimeoutError(message)

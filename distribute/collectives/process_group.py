@@ -51,7 +51,6 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import time
@@ -65,6 +64,14 @@ import torch.distributed as dist
 from distribute import _torch
 from distribute._enums import ReduceOp
 from distribute._torch import PrefixStore, Store
+from distribute.collectives._calls import (
+    AllReduceHandle,
+    describe,
+    flatten,
+    is_transport_error,
+    items,
+    signature_hash,
+)
 from distribute.collectives._deadlines import SLICE, StreamWatch, grace
 from distribute.collectives._group_setup import (
     close_group,
@@ -77,78 +84,19 @@ from distribute.collectives._liveness import (
     Position,
     WatchState,
     diagnose,
+    diagnose_transport,
     local_address_towards,
     mismatch_error,
 )
 from distribute.collectives.packing import pack_by_bytes, slot_views
 from distribute.errors import CollectiveTimeoutError, InvalidArgumentError
 
-__all__ = ["AllReduceHandle", "ProcessGroupCollectives"]
+__all__ = ["AllReduceHandle", "ProcessGroupCollectives", "is_transport_error"]
 
 logger = logging.getLogger(__name__)
 
 #: torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-
-
-def _signature_hash(signature: Any) -> int:
-    digest = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little", signed=True)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _items(tensors: Sequence[torch.Tensor]) -> list[str]:
-    return [f"{_dtype_name(t.dtype)}{list(t.shape)}" for t in tensors]
-
-
-def _describe(tensors: Sequence[torch.Tensor]) -> str:
-    parts = _items(tensors)
-    return parts[0] if len(parts) == 1 else "[" + ", ".join(parts) + "]"
-
-
-def _flatten(tensors: Sequence[torch.Tensor], copy: bool) -> torch.Tensor:
-    parts = [t.detach().reshape(-1) for t in tensors]
-    if len(parts) > 1:
-        return torch.cat(parts)
-    return parts[0].clone() if copy else parts[0]
-
-
-class AllReduceHandle:
-    """An all-reduce in flight; `wait()` returns the reduced tensors."""
-
-    def __init__(
-        self,
-        owner: ProcessGroupCollectives,
-        work: Any,
-        flat: torch.Tensor,
-        templates: list[torch.Tensor],
-        op: ReduceOp,
-        position: Position,
-        start: float,
-    ) -> None:
-        self._owner = owner
-        self._work = work
-        self._flat = flat
-        self._templates = templates
-        self._op = op
-        self._position = position
-        self._start = start
-
-    def wait(self) -> list[torch.Tensor]:
-        """Blocks until the all-reduce is done.
-
-        Raises:
-            CollectiveTimeoutError: a peer never arrived (it is named).
-        """
-        if self._work is not None:
-            self._owner._wait(self._work, self._position, self._start)
-            self._owner._finished(self._position)
-        device = self._templates[0].device
-        flat = self._owner._finish_reduce(self._flat, self._op).to(device)
-        return slot_views(flat, self._templates)
 
 
 class ProcessGroupCollectives:
@@ -230,6 +178,8 @@ class ProcessGroupCollectives:
             )
             self._liveness.start()
         self._state = self._liveness.state if self._liveness is not None else WatchState()
+        #: A sub-group's world (weakly) and how it names a rank: `subgroup`.
+        self._world: tuple[weakref.ref[ProcessGroupCollectives], Any] | None = None
         self._int_buffer = self._on_device(torch.zeros(1, dtype=torch.int64))
         # Asynchronous works launched and maybe not waited for (see `_close`).
         self._launched: list[Any] = []
@@ -427,6 +377,14 @@ class ProcessGroupCollectives:
         self, position: Position, start: float, exc: BaseException | None
     ) -> CollectiveTimeoutError:
         """Diagnoses a failed or overdue collective; marks the group broken."""
+        parent, describe = self._world if self._world is not None else (None, None)
+        world = parent() if parent is not None else None
+        if world is not None:  # a sub-group's failure: the world names the lost ranks
+            what = f"{position[1]} (collective #{position[0]} of a mesh axis's group)"
+            elapsed = time.monotonic() - start
+            error = world.transport_failure(what, exc, elapsed=elapsed, describe=describe)
+            self._broken[0] = error
+            return error
         error = diagnose(
             self._liveness,
             self._state,
@@ -468,7 +426,7 @@ class ProcessGroupCollectives:
         """Exchanges the call's hash (and ``extra`` ints); returns every rank's ``extra``."""
         if self._world_size == 1:
             return [list(extra)]
-        mine = torch.tensor([_signature_hash((position[1], signature)), *extra], dtype=torch.int64)
+        mine = torch.tensor([signature_hash((position[1], signature)), *extra], dtype=torch.int64)
         gathered = self._on_device(torch.empty(self._world_size * mine.numel(), dtype=torch.int64))
         work = _all_gather_single(gathered, self._on_device(mine), group=self._group, async_op=True)
         self._wait(work, position, start)
@@ -545,7 +503,7 @@ class ProcessGroupCollectives:
         if in_place and op is ReduceOp.MEAN and any(not t.is_floating_point() for t in tensors):
             raise InvalidArgumentError(
                 f"all_reduce '{name}': MEAN in place needs floating-point tensors, got "
-                f"{_describe(tensors)}; the mean of integers is float64, so drop in_place."
+                f"{describe(tensors)}; the mean of integers is float64, so drop in_place."
             )
         position, start = self._begin("all_reduce", name)
         if check:
@@ -553,7 +511,7 @@ class ProcessGroupCollectives:
                 position,
                 start,
                 ([(str(t.dtype), tuple(t.shape)) for t in tensors], op.name),
-                (_items(tensors), f"({op.name})"),
+                (items(tensors), f"({op.name})"),
             )
         if self._world_size == 1:
             self._finished(position)
@@ -568,7 +526,7 @@ class ProcessGroupCollectives:
             sizes = [tensors[j].numel() * dtype.itemsize for j in indices]
             for pack in pack_by_bytes(sizes, bytes_per_pack, reverse=False):
                 members = [indices[k] for k in pack]
-                flat = self._on_device(_flatten([tensors[j] for j in members], copy=not in_place))
+                flat = self._on_device(flatten([tensors[j] for j in members], copy=not in_place))
                 work = dist.all_reduce(flat, group=self._group, async_op=True)
                 in_flight.append((members, flat, work))
         results: list[torch.Tensor | None] = [None] * len(tensors)
@@ -614,18 +572,27 @@ class ProcessGroupCollectives:
         if not templates or len({t.dtype for t in templates}) != 1:
             raise InvalidArgumentError(
                 f"all_reduce_async '{name}' needs at least one tensor and one dtype, got "
-                f"{_describe(templates) if templates else 'no tensors'}; split the tensors by "
+                f"{describe(templates) if templates else 'no tensors'}; split the tensors by "
                 "dtype."
             )
         position, start = self._begin("all_reduce", name)
-        flat = self._on_device(_flatten(templates, copy=False))
+        flat = self._on_device(flatten(templates, copy=False))
+
+        def finish(reduced: torch.Tensor) -> torch.Tensor:
+            return self._finish_reduce(reduced, op)
+
         if self._world_size == 1:
             self._finished(position)
-            return AllReduceHandle(self, None, flat.clone(), templates, op, position, start)
+            return AllReduceHandle(None, flat.clone(), templates, finish)
         work = dist.all_reduce(flat, group=self._group, async_op=True)
         self._launched[:] = [w for w in self._launched if not w.is_completed()]
         self._launched.append(work)
-        return AllReduceHandle(self, work, flat, templates, op, position, start)
+
+        def wait() -> None:
+            self._wait(work, position, start)
+            self._finished(position)
+
+        return AllReduceHandle(wait, flat, templates, finish)
 
     def all_gather(self, tensor: torch.Tensor, axis: int, *, name: str) -> torch.Tensor:
         """Concatenates every rank's tensor along ``axis``, in rank order.
@@ -651,7 +618,7 @@ class ProcessGroupCollectives:
             position,
             start,
             (str(tensor.dtype), tensor.dim(), axis, other_dims),
-            (_items([tensor]), f"(axis {axis})"),
+            (items([tensor]), f"(axis {axis})"),
             extra=[tensor.shape[axis]],
         )
         if self._world_size == 1:
@@ -693,7 +660,7 @@ class ProcessGroupCollectives:
             position,
             start,
             ([(str(t.dtype), tuple(t.shape)) for t in tensors], src),
-            (_items(tensors), f"(from rank {src})"),
+            (items(tensors), f"(from rank {src})"),
         )
         if self._world_size == 1 or not tensors:
             self._finished(position)
@@ -703,7 +670,7 @@ class ProcessGroupCollectives:
             by_dtype.setdefault(t.dtype, []).append(j)
         in_flight = []
         for indices in by_dtype.values():
-            flat = self._on_device(_flatten([tensors[j] for j in indices], copy=True))
+            flat = self._on_device(flatten([tensors[j] for j in indices], copy=True))
             work = dist.broadcast(flat, src, group=self._group, async_op=True)
             in_flight.append((indices, flat, work))
         for indices, flat, work in in_flight:
@@ -756,6 +723,47 @@ class ProcessGroupCollectives:
         work = launch()
         self._wait(work, position, start)
         self._finished(position)
+
+    def subgroup(
+        self, group: Any, ranks: Sequence[int], describe: Callable[[int], str] | None = None
+    ) -> ProcessGroupCollectives:
+        """Collectives over ``group``, a sub-group (a mesh axis) of these processes
+        with global ``ranks``, whose failures name the lost ranks globally (``describe``
+        names a rank, e.g. with its mesh coordinates).
+
+        Example::
+
+            batch = world.subgroup(mesh["batch"].get_group(), [1, 3])
+        """
+        members = [int(r) for r in ranks]
+        device = self._device if self._backend == "nccl" else None
+        sub = ProcessGroupCollectives(
+            group, None, members.index(self._rank), len(members), self._backend,
+            self._timeout, owns_group=False, device=device,
+        )  # fmt: skip
+        sub._world = (weakref.ref(self), describe)
+        return sub
+
+    def transport_failure(
+        self, what: str, exc: BaseException | None, *, elapsed: float = 0.0, describe: Any = None
+    ) -> CollectiveTimeoutError:
+        """The error for a collective that failed outside this object (torch's own:
+        DTensor's, FSDP's inside a mesh; a sub-group's), naming the lost ranks by their
+        global rank (``describe``). Marks the group broken: later collectives raise.
+
+        Example::
+
+            except RuntimeError as exc:
+                raise world.transport_failure("a DTensor collective", exc) from exc
+        """
+        error = diagnose_transport(
+            self._liveness, self._state, what, rank=self._rank, timeout=self._timeout,
+            grace=self._grace, elapsed=elapsed, exc=exc,
+            describe=describe or (lambda r: f"rank {r}"),
+        )  # fmt: skip
+        self._broken[0] = error
+        self._state.waiting = None
+        return error
 
     def barrier(self, name: str) -> None:
         """Waits until every rank reaches this point (or raises naming those that did not).

@@ -183,6 +183,17 @@ class MeshPlan:
         """The size of the batch axis (the replicas in sync)."""
         return int(self.batch_mesh.size())
 
+    def describe_rank(self, rank: int) -> str:
+        """A global rank with its mesh coordinates, as errors name it: ``"rank 3
+        (batch 1, model 1)"``."""
+        grid = self.mesh.mesh
+        found = (grid == rank).nonzero()
+        if len(found) == 0:
+            return f"rank {rank}"
+        names = self.mesh.mesh_dim_names or tuple(str(i) for i in range(grid.dim()))
+        where = ", ".join(f"{n} {int(i)}" for n, i in zip(names, found[0].tolist()))
+        return f"rank {rank} ({where})"
+
 
 class GlobalView:
     """The outermost module call converts to and from DTensors (NOTE [model parallel

@@ -12,11 +12,25 @@ and ``num_replicas_in_sync`` is the batch axis's size.
 Launch with torchrun::
 
     torchrun --nproc_per_node=4 examples/train_transformer_mp.py --mesh 2,2
+
+# NOTE [watched mesh collectives]
+Inside a step most collectives are torch's own (DTensor's redistributions, FSDP's
+gathers under ``fully_shard=True``), issued on the mesh axes' groups and waited for
+inside torch, where the library's sliced waits cannot reach. So: every axis's group is
+made with the library's timeout (gloo raises within it; nccl's is longer, as for the
+default group), and a transport failure escaping the step (`is_transport_error`: a
+peer's connection closed, the backend's timeout) is diagnosed by the world's watchers
+(`ProcessGroupCollectives.transport_failure`): the lost ranks are named by their global
+rank and mesh coordinate, the live ones are told the group broke, and the step raises
+`CollectiveTimeoutError`. The library's own sums along the batch axis run on a sub-group
+of the world's collectives (`ProcessGroupCollectives.subgroup`), diagnosed the same way.
+Errors of the user's own code pass through untouched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import sys
 import weakref
@@ -29,8 +43,10 @@ import torch.distributed as dist
 from distribute import _torch, context
 from distribute._enums import ReduceOp, VariableAggregation, VariableSynchronization
 from distribute.cluster_resolver import ClusterResolver, resolve_cluster
+from distribute.collectives._deadlines import nccl_group_timeout
 from distribute.collectives._shapes import check_axis
 from distribute.collectives.options import CommunicationOptions
+from distribute.collectives.process_group import is_transport_error
 from distribute.context import ReplicaContext
 from distribute.errors import ContextError, InvalidArgumentError
 from distribute.strategies._batch_gradients import BatchAxisGradients, MeshStepHandler
@@ -344,7 +360,17 @@ class _MeshExtended(StrategyExtended):
         if self._plan.device.type != "cpu":
             args, kwargs = _on_device((args, kwargs), self._plan.device)
         with context._push(strategy, replica_ctx), self._plain_is_replicated():
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except RuntimeError as exc:  # NOTE [watched mesh collectives]
+                if not is_transport_error(exc):
+                    raise
+                world = self._collectives.world
+                raise world.transport_failure(
+                    "a collective of the step (DTensor's or FSDP's)",
+                    exc,
+                    describe=self._plan.describe_rank,
+                ) from exc
 
     def _plain_is_replicated(self) -> contextlib.AbstractContextManager[None]:
         """Inside `run`, a plain tensor that meets a DTensor is taken as replicated
@@ -579,10 +605,14 @@ class ModelParallelStrategy(Strategy):
         bound = bind_process([device])
         backend = backend_for(options.implementation, [device])
         world = _join(resolver, rank, world_size, backend, timeout, bound)
-        plan = _mesh_plan(mesh, batch_axis, device)
+        plan = _mesh_plan(mesh, batch_axis, device, backend, timeout)
         collectives = _Collectives(
             world,
-            _group_collectives(plan.batch_mesh, backend, timeout, bound),
+            world.subgroup(
+                plan.batch_mesh.get_group(),
+                plan.batch_mesh.mesh.flatten().tolist(),
+                plan.describe_rank,
+            ),
             all(plan.mesh.get_local_rank(a) == 0 for a in plan.model_axes),
         )
         layouts = LaidOutModules(self, layout_map, plan, world, fully_shard)
@@ -722,11 +752,20 @@ def _join(
     )
 
 
-def _mesh_plan(mesh: DeviceMesh, batch_axis: str, device: torch.device) -> MeshPlan:
-    """torch's mesh over the workers (a collective: every worker builds it)."""
+def _mesh_plan(
+    mesh: DeviceMesh, batch_axis: str, device: torch.device, backend: str, timeout: float
+) -> MeshPlan:
+    """torch's mesh over the workers (a collective: every worker builds it). Each axis's
+    group has the library's timeout (NOTE [watched mesh collectives])."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch_mesh = init_device_mesh(device.type, mesh.shape, mesh_dim_names=mesh.axis_names)
+    options = _torch.backend_options(backend, _group_timeout(backend, timeout))
+    torch_mesh = init_device_mesh(
+        device.type,
+        mesh.shape,
+        mesh_dim_names=mesh.axis_names,
+        backend_override={name: (backend, options) for name in mesh.axis_names},
+    )
     model_axes = tuple(a for a in mesh.axis_names if a != batch_axis)
     model_mesh = torch_mesh[model_axes] if model_axes else None
     return MeshPlan(
@@ -739,22 +778,12 @@ def _mesh_plan(mesh: DeviceMesh, batch_axis: str, device: torch.device) -> MeshP
     )
 
 
-def _group_collectives(
-    submesh: Any, backend: str, timeout: float, device: torch.device | None
-) -> ProcessGroupCollectives:
-    """The library's collectives (deadlines, signature checks) over a 1-D sub-mesh's group."""
-    from distribute.collectives.process_group import ProcessGroupCollectives
-
-    return ProcessGroupCollectives(
-        submesh.get_group(),
-        None,  # no store: a missing peer is reported at the deadline, unnamed
-        int(submesh.get_local_rank()),
-        int(submesh.size()),
-        backend,
-        timeout,
-        owns_group=False,
-        device=device if backend == "nccl" else None,
-    )
+def _group_timeout(backend: str, timeout: float) -> datetime.timedelta:
+    """A mesh axis's group timeout: the library's deadline (gloo: a dead peer is named
+    within it); past it under nccl, whose deadlines the library watches itself."""
+    if backend == "nccl":
+        return nccl_group_timeout(timeout)
+    return datetime.timedelta(seconds=timeout)
 
 
 # -- values ----------------------------------------------------------------------------------
