@@ -6,7 +6,7 @@ import enum
 
 from distribute.errors import InvalidArgumentError
 
-__all__ = ["ReduceOp", "VariableAggregation", "VariableSynchronization"]
+__all__ = ["ReduceOp", "StepRunner", "VariableAggregation", "VariableSynchronization"]
 
 
 class ReduceOp(enum.Enum):
@@ -73,3 +73,18 @@ class VariableAggregation(enum.Enum):
     SUM = 1
     MEAN = 2
     ONLY_FIRST_REPLICA = 3
+
+
+class StepRunner(enum.Enum):
+    """How `ds.Model`'s loop runs its steps on a strategy's engine
+    (`StrategyExtended.step_runner`).
+
+    Example:
+        >>> import distribute as ds
+        >>> ds.OneDeviceStrategy("cpu").extended.step_runner.name
+        'IN_PROCESS'
+    """
+
+    IN_PROCESS = "in_process"  # each step is one `strategy.run` in this process
+    XLA_EXECUTIONS = "xla_executions"  # steps_per_execution steps as one XLA execution
+    COORDINATED = "coordinated"  # closures a ClusterCoordinator runs on the workers

@@ -2,27 +2,34 @@
 process group's backend, and what every worker must agree on at start-up.
 
 Shared by the strategies that run one process per worker over a torch.distributed
-process group (`MultiWorkerMirroredStrategy`, `FullyShardedStrategy`).
+process group (`MultiWorkerMirroredStrategy`, `FullyShardedStrategy`,
+`ModelParallelStrategy`): `join_cluster` is the one way they join.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
-from distribute import _env
+from distribute import _env, _torch
 from distribute.cluster_resolver import ClusterResolver
 from distribute.collectives.options import CommunicationImplementation
 from distribute.errors import InvalidArgumentError
 from distribute.strategies._devices import local_gpu
+
+if TYPE_CHECKING:
+    from distribute.collectives.process_group import ProcessGroupCollectives
 
 __all__ = [
     "WorkerIdentity",
     "backend_for",
     "bind_process",
     "describe_cluster",
+    "join_cluster",
     "worker_devices",
 ]
 
@@ -103,3 +110,58 @@ def backend_for(
     if implementation is CommunicationImplementation.RING:
         return "gloo"
     return "nccl" if all_cuda and torch.distributed.is_nccl_available() else "gloo"
+
+
+def join_cluster(
+    resolver: ClusterResolver | None,
+    backend: str,
+    timeout: float,
+    device: torch.device | None,
+    *,
+    group_of_one: bool,
+) -> ProcessGroupCollectives | None:
+    """This worker's collectives over the cluster's workers: the default process group,
+    created at the rendezvous the resolver names (or adopted where torch.distributed
+    is already initialised for the same world).
+
+    One worker: with ``group_of_one`` (DTensor and FSDP need a group) an adopted
+    default group, else a group of one served by an in-process store (no port);
+    without it None (nothing to agree on).
+
+    Args:
+        resolver: the cluster (None: one worker).
+        backend: ``"gloo"`` or ``"nccl"`` (`backend_for`).
+        timeout: the collectives' timeout, in seconds.
+        device: this process's GPU (`bind_process`), for nccl.
+        group_of_one: whether a single worker gets a group too.
+
+    Example::
+
+        collectives = join_cluster(resolve_cluster(), "gloo", 300.0, None, group_of_one=False)
+    """
+    from distribute.collectives.process_group import ProcessGroupCollectives
+
+    world_size = resolver.world_size if resolver is not None else 1
+    if resolver is not None and world_size > 1:
+        return ProcessGroupCollectives.create(
+            resolver.rank,
+            world_size,
+            resolver.master_addr,
+            resolver.master_port,
+            backend=backend,
+            timeout_seconds=timeout,
+            cluster=describe_cluster(resolver, world_size),
+            prefix=resolver.rendezvous_prefix,
+            launcher_serves=resolver.launcher_serves_rendezvous,
+            device=device if backend == "nccl" else None,
+        )
+    if not group_of_one:
+        return None
+    if dist.is_initialized():
+        return ProcessGroupCollectives.adopt(timeout_seconds=timeout)
+    dist.init_process_group(
+        backend, store=_torch.HashStore(), rank=0, world_size=1, device_id=device
+    )
+    return ProcessGroupCollectives(
+        None, None, 0, 1, backend, timeout, owns_group=True, device=device
+    )

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distribute import context
-from distribute._enums import ReduceOp, VariableAggregation, VariableSynchronization
+from distribute._enums import ReduceOp, StepRunner, VariableAggregation, VariableSynchronization
 from distribute.collectives.base import CrossWorker
 from distribute.context import ReplicaContext
 from distribute.errors import (
@@ -105,6 +105,7 @@ class ReplicatedExtended(StrategyExtended):
             mirrored variables on ``devices``.
         lifecycle: what the strategy does as its scope is entered and left, before
             `run` and in `no_sync()`; None: nothing more.
+        step_runner: how `ds.Model`'s loop runs steps on this engine.
     """
 
     def __init__(
@@ -124,8 +125,10 @@ class ReplicatedExtended(StrategyExtended):
         capture: ModuleCapture | None = None,
         home: VariableHome | None = None,
         lifecycle: ScopeLifecycle | None = None,
+        step_runner: StepRunner = StepRunner.IN_PROCESS,
     ) -> None:
         super().__init__(container_strategy)
+        self._step_runner = step_runner
         self._static_batch_shapes = static_batch_shapes
         self._devices = replica_devices(devices)
         self._capture = capture
@@ -230,33 +233,21 @@ class ReplicatedExtended(StrategyExtended):
     def static_batch_shapes(self) -> bool:
         return self._static_batch_shapes
 
+    @property
+    def step_runner(self) -> StepRunner:
+        return self._step_runner
+
     # -- run --------------------------------------------------------------------------
 
-    def call_for_each_replica(
-        self,
-        fn: Callable[..., Any],
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
+    def _run_replicas(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        kwargs = kwargs or {}
-        top = context._top()
-        if top is not None and top.replica_context is not None:
-            raise ContextError(
-                f"`run` was called inside `run` of {top.strategy!r}; call `run` once per "
-                "step from cross-replica code and do per-replica work inside `fn`"
-            )
-        if top is not None and top.in_merge:
-            raise ContextError(
-                f"`run` was called inside a merge_fn of {top.strategy!r}; a merge_fn runs "
-                "while every replica is paused in merge_call, so it cannot start new "
-                "replicas. Return from merge_fn and call `run` from the outer loop"
-            )
         strategy = self._container_strategy
         if self._num_local == 1:
             self._before_run()
             try:
                 replica_ctx = ReplicaContext(strategy, self._global_id(0), 0)
-                args, kwargs = select_replica(0, (tuple(args), kwargs), 1)
+                args, kwargs = select_replica(0, (args, kwargs), 1)
                 if self._places_arguments:
                     args, kwargs = _on_device((args, kwargs), self._devices[0])
                 with context._push(strategy, replica_ctx):
@@ -267,7 +258,7 @@ class ReplicatedExtended(StrategyExtended):
         try:
             self._before_run()
             try:
-                return regroup(self._run_in_threads(fn, tuple(args), kwargs))
+                return regroup(self._run_in_threads(fn, args, kwargs))
             finally:
                 self._after_run()
         finally:
@@ -567,39 +558,22 @@ class ReplicatedExtended(StrategyExtended):
     ) -> contextlib.AbstractContextManager[None]:
         if self._home is not None:
             return self._home.colocate_vars_with(colocate_with_variable)
-        return self._colocate_mirrored(colocate_with_variable)
+        return self._colocate_same_devices(colocate_with_variable)
 
-    @contextlib.contextmanager
-    def _colocate_mirrored(self, colocate_with_variable: Any) -> Iterator[None]:
-        if not self.variable_created_in_scope(colocate_with_variable):
-            raise InvalidArgumentError(
-                f"colocate_vars_with needs a variable created in {self._container_strategy!r}'s "
-                f"scope, got {type(colocate_with_variable).__name__}"
-            )
-        yield  # every variable of this strategy already lives on the same devices
-
-    def update(
+    def _update(
         self,
         var: DistributedVariable,
         fn: Callable[..., Any],
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-        group: bool = True,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        group: bool,
     ) -> Any:
-        if not self.variable_created_in_scope(var):
-            raise InvalidArgumentError(
-                f"update() needs a variable of {self._container_strategy!r}, got "
-                f"{type(var).__name__}"
-            )
-        kwargs = kwargs or {}
         results = []
         n = 1 if self._central else self._num_local
         with torch.no_grad():
             for i in range(n):
                 component = var._plain_component(i)
-                results.append(
-                    fn(component, *select_replica(i, tuple(args)), **select_replica(i, kwargs))
-                )
+                results.append(fn(component, *select_replica(i, args), **select_replica(i, kwargs)))
         var._mark_synced()
         if not group:
             return tuple(results)

@@ -67,7 +67,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -77,7 +77,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from distribute import _torch
 from distribute.errors import InvalidArgumentError
-from distribute.strategies._optimizer_watch import OptimizerWatch
+from distribute.strategies._module_recorder import ModuleRecorder
 
 if TYPE_CHECKING:
     from distribute.collectives.process_group import ProcessGroupCollectives
@@ -148,18 +148,11 @@ class ShardedModules:
         self._device = device
         self._mesh = mesh
         self._replicate_group = replicate_group
-        # Modules that registered parameters in a scope, and parent links seen there.
-        self._recorded: list[weakref.ref[torch.nn.Module]] = []
-        self._parents: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._roots: list[weakref.ref[torch.nn.Module]] = []  # sharded roots
-        self._sync_disabled = 0
+        # What the scope built, its sharded roots, the optimizers built over them.
+        self._recorder = ModuleRecorder("FullyShardedStrategy")
+        self._watch = self._recorder.optimizers
         self._deferred: DeferredInit | None = None
         self._kept: dict[int, torch.Tensor] = {}  # deferred init: id(parameter) -> shard
-        # Optimizers built in the scope over recorded parameters (NOTE [optimizers
-        # built in the scope]).
-        self._watch = OptimizerWatch()
 
     # -- the engine's parts: capture (`ModuleCapture`) and lifecycle (`ScopeLifecycle`) ---
 
@@ -206,9 +199,7 @@ class ShardedModules:
         """``module`` registered parameter ``name`` in the scope."""
         if self._deferred is not None:
             self._deferred.registered(module, name, param)
-        self._watch.watch(param)
-        if not any(ref() is module for ref in self._recorded):
-            self._recorded.append(weakref.ref(module))
+        self._recorder.record(module, param)
 
     # -- deferred initialization (NOTE [deferred init]) ----------------------------------
 
@@ -233,36 +224,23 @@ class ShardedModules:
 
     def record_child(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
         """``child`` was attached to ``parent`` in the scope."""
-        self._parents[child] = parent
+        self._recorder.record_child(parent, child)
 
     @property
     def pending(self) -> bool:
         """Whether modules wait to be sharded."""
-        return bool(self._recorded)
+        return self._recorder.pending
 
     def roots(self) -> list[torch.nn.Module]:
         """The sharded roots still alive."""
-        return [m for ref in self._roots if (m := ref()) is not None]
+        return self._recorder.roots()
 
     # -- sharding ------------------------------------------------------------------------
 
     def shard_pending(self) -> None:
         """Shards every root built since the last call (NOTE [sharding])."""
         self.end_deferred()
-        recorded = [m for ref in self._recorded if (m := ref()) is not None]
-        self._recorded = []
-        roots: list[torch.nn.Module] = []
-        for module in recorded:
-            root = module
-            seen = {id(root)}
-            while (parent := self._parents.get(root)) is not None and id(parent) not in seen:
-                root = parent
-                seen.add(id(root))
-            if all(root is not r for r in roots):
-                roots.append(root)
-        self._parents = weakref.WeakKeyDictionary()
-        # Creation order is the same on every worker; so is the roots' order.
-        for root in roots:
+        for root in self._recorder.take_roots():  # the same order on every worker
             self._shard(root)
 
     def _shard(self, root: torch.nn.Module) -> None:
@@ -312,9 +290,9 @@ class ShardedModules:
         for old in originals:
             if id(old) in replaced:
                 old._ds_sharded_away = True  # type: ignore[attr-defined]  # a step over it is refused
-        _repoint_optimizers(self._watch.found(), replaced)
+        self._recorder.repoint(replaced)
         root.register_forward_pre_hook(self._forward_outside_run, prepend=True)
-        self._roots.append(weakref.ref(root))
+        self._recorder.keep(root)
 
     def _broadcast_chief_values(self, params: Sequence[torch.Tensor]) -> None:
         """Every worker takes rank 0's values before FSDP keeps its shard of them."""
@@ -362,21 +340,13 @@ class ShardedModules:
 
     # -- accumulation ------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside accumulate unreduced gradients (FSDP keeps them whole)."""
-        roots = self.roots()
-        self._sync_disabled += 1
-        if self._sync_disabled == 1:
-            for root in roots:
-                root.set_requires_gradient_sync(False)  # type: ignore[operator]
-        try:
-            yield
-        finally:
-            self._sync_disabled -= 1
-            if self._sync_disabled == 0:
-                for root in roots:
-                    root.set_requires_gradient_sync(True)  # type: ignore[operator]
+        return self._recorder.no_sync(_set_gradient_sync)
+
+
+def _set_gradient_sync(root: torch.nn.Module, sync: bool) -> None:
+    root.set_requires_gradient_sync(sync)  # type: ignore[operator]  # an FSDPModule's
 
 
 # -- units --------------------------------------------------------------------------------
@@ -569,29 +539,6 @@ def device_mesh(
         return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",)), None
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
     return mesh["shard"], mesh["replicate"].get_group()
-
-
-def _repoint_optimizers(
-    optimizers: Sequence[torch.optim.Optimizer], replaced: dict[int, torch.nn.Parameter]
-) -> None:
-    """Points optimizers built in the scope from the replaced parameters at the shards
-    (NOTE [sharding]); refuses one that already holds state for them."""
-    if not replaced:
-        return
-    for obj in optimizers:
-        held = [p for g in obj.param_groups for p in g["params"] if id(p) in replaced]
-        if not held:
-            continue
-        with_state = [p for p in held if obj.state.get(p)]
-        if with_state:
-            raise InvalidArgumentError(
-                f"{type(obj).__name__} already holds state for {len(with_state)} parameters "
-                "that FullyShardedStrategy is replacing by their shards (it stepped before "
-                "the model was sharded); build the optimizer in the strategy's scope before "
-                "its first step, or after the scope was left"
-            )
-        for group in obj.param_groups:
-            group["params"] = [replaced.get(id(p), p) for p in group["params"]]
 
 
 # -- deferred initialization ----------------------------------------------------------------

@@ -50,7 +50,7 @@ import contextlib
 import enum
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -59,7 +59,7 @@ import torch
 from distribute import _torch
 from distribute.errors import InvalidArgumentError
 from distribute.strategies._layout import LayoutMap, TensorLayout, resolve_layouts, shard_dims
-from distribute.strategies._optimizer_watch import OptimizerWatch
+from distribute.strategies._module_recorder import ModuleRecorder
 
 if TYPE_CHECKING:
     from distribute.collectives.process_group import ProcessGroupCollectives
@@ -310,14 +310,10 @@ class LaidOutModules:
         self._world = world
         self._fully_shard = fully_shard and plan.batch_size > 1
         self._view = GlobalView(plan.model_mesh) if plan.model_mesh is not None else None
-        self._recorded: list[weakref.ref[torch.nn.Module]] = []
-        self._parents: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._roots: list[weakref.ref[torch.nn.Module]] = []
+        # What the scope built, its laid-out roots, the optimizers built over them.
+        self._recorder = ModuleRecorder("ModelParallelStrategy")
+        self.optimizers = self._recorder.optimizers
         self.trainable: list[torch.Tensor] = []  # every laid-out trainable parameter
-        # Optimizers built in the scope (NOTE [optimizers built in the scope]).
-        self.optimizers = OptimizerWatch()
 
     @property
     def sharded_by_fsdp(self) -> bool:
@@ -328,41 +324,27 @@ class LaidOutModules:
 
     def record(self, module: torch.nn.Module, tensor: torch.Tensor | None = None) -> None:
         """``module`` registered a parameter (``tensor``) or buffer in the scope."""
-        if tensor is not None:
-            self.optimizers.watch(tensor)
-        if not any(ref() is module for ref in self._recorded):
-            self._recorded.append(weakref.ref(module))
+        self._recorder.record(module, tensor)
 
     def record_child(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
         """``child`` was attached to ``parent`` in the scope."""
-        self._parents[child] = parent
+        self._recorder.record_child(parent, child)
 
     @property
     def pending(self) -> bool:
         """Whether modules wait to be laid out."""
-        return bool(self._recorded)
+        return self._recorder.pending
 
     def roots(self) -> list[torch.nn.Module]:
         """The laid-out roots still alive."""
-        return [m for ref in self._roots if (m := ref()) is not None]
+        return self._recorder.roots()
 
     # -- laying out ------------------------------------------------------------------------
 
     def lay_out_pending(self) -> None:
         """Lays out every root built since the last call, in creation order (the same on
         every worker)."""
-        recorded = [m for ref in self._recorded if (m := ref()) is not None]
-        self._recorded = []
-        roots: list[torch.nn.Module] = []
-        for module in recorded:
-            root, seen = module, {id(module)}
-            while (parent := self._parents.get(root)) is not None and id(parent) not in seen:
-                root = parent
-                seen.add(id(root))
-            if all(root is not r for r in roots):
-                roots.append(root)
-        self._parents = weakref.WeakKeyDictionary()
-        for root in roots:
+        for root in self._recorder.take_roots():
             self._lay_out(root)
 
     def _lay_out(self, root: torch.nn.Module) -> None:
@@ -486,20 +468,17 @@ class LaidOutModules:
             param._ds_managed_by = strategy  # type: ignore[attr-defined]  # read by the step hooks
             if param.requires_grad:
                 self.trainable.append(param)
-        repoint_optimizers(self.optimizers.found(), replaced)
-        self._roots.append(weakref.ref(root))
+        self._recorder.repoint(replaced)
+        self._recorder.keep(root)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """FSDP's accumulation without reduce-scatters (``fully_shard=True``)."""
-        roots = [r for r in self.roots() if hasattr(r, "set_requires_gradient_sync")]
-        for root in roots:
-            root.set_requires_gradient_sync(False)  # type: ignore[operator]
-        try:
-            yield
-        finally:
-            for root in roots:
-                root.set_requires_gradient_sync(True)  # type: ignore[operator]
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """FSDP's accumulation without reduce-scatters (``fully_shard=True``; blocks nest)."""
+        return self._recorder.no_sync(_set_gradient_sync)
+
+
+def _set_gradient_sync(root: torch.nn.Module, sync: bool) -> None:
+    if hasattr(root, "set_requires_gradient_sync"):  # FSDP's roots (fully_shard=True)
+        root.set_requires_gradient_sync(sync)  # type: ignore[operator]  # an FSDPModule's
 
 
 def _slots(
@@ -517,25 +496,3 @@ def _slots(
                 entry = found.setdefault(id(tensor), (tensor, []))
                 entry[1].append((module, kind, prefix + name))
     return found
-
-
-def repoint_optimizers(
-    optimizers: Sequence[torch.optim.Optimizer], replaced: dict[int, torch.nn.Parameter]
-) -> None:
-    """Points optimizers built in the scope from the replaced parameters at their
-    DTensors; refuses one that already holds state for them."""
-    if not replaced:
-        return
-    for obj in optimizers:
-        held = [p for g in obj.param_groups for p in g["params"] if id(p) in replaced]
-        if not held:
-            continue
-        if any(obj.state.get(p) for p in held):
-            raise InvalidArgumentError(
-                f"{type(obj).__name__} already holds state for parameters that "
-                "ModelParallelStrategy is replacing by their laid-out DTensors (it stepped "
-                "before the scope was left); build the optimizer in the strategy's scope "
-                "before its first step, or after the scope"
-            )
-        for group in obj.param_groups:
-            group["params"] = [replaced.get(id(p), p) for p in group["params"]]

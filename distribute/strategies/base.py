@@ -17,15 +17,16 @@ strategy.
 
 from __future__ import annotations
 
+import abc
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from distribute import _torch, context
-from distribute._enums import ReduceOp, VariableAggregation, VariableSynchronization
-from distribute.errors import InvalidArgumentError
+from distribute._enums import ReduceOp, StepRunner, VariableAggregation, VariableSynchronization
+from distribute.errors import ContextError, InvalidArgumentError
 from distribute.strategies import _torch_hooks
 
 if TYPE_CHECKING:
@@ -38,8 +39,14 @@ if TYPE_CHECKING:
 __all__ = ["Strategy", "StrategyExtended", "StrategyScope"]
 
 
-class StrategyExtended:
-    """Additional strategy methods for library and advanced users.
+class StrategyExtended(abc.ABC):
+    """Additional strategy methods for library and advanced users; the engine's contract.
+
+    An engine (docs/architecture.md, "Adding an engine") implements the abstract
+    methods; the checks every engine shares (`run` nested in `run` or in a merge_fn,
+    `update` and `colocate_vars_with` of a variable of another strategy) are template
+    methods here, so that no engine repeats or forgets them. Everything else has a
+    typed default.
 
     Example:
         >>> import distribute as ds
@@ -55,14 +62,14 @@ class StrategyExtended:
     # -- public surface (API.md) --------------------------------------------------
 
     @property
+    @abc.abstractmethod
     def worker_devices(self) -> tuple[torch.device, ...]:
         """The devices of this worker's replicas, in local replica order."""
-        raise NotImplementedError
 
     @property
+    @abc.abstractmethod
     def parameter_devices(self) -> tuple[torch.device, ...]:
         """The devices holding this worker's variable copies."""
-        raise NotImplementedError
 
     def call_for_each_replica(
         self,
@@ -70,18 +77,53 @@ class StrategyExtended:
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        """Runs `fn` once per local replica in replica context (what `run` does)."""
-        raise NotImplementedError
+        """Runs `fn` once per local replica in replica context (what `run` does).
+
+        Refuses `run` inside `run` or inside a merge_fn (every engine), then runs the
+        engine's `_run_replicas`.
+        """
+        top = context._top()
+        if top is not None and top.replica_context is not None:
+            raise ContextError(
+                f"`run` was called inside `run` of {top.strategy!r}; call `run` once per "
+                "step from cross-replica code and do per-replica work inside `fn`"
+            )
+        if top is not None and top.in_merge:
+            raise ContextError(
+                f"`run` was called inside a merge_fn of {top.strategy!r}; a merge_fn runs "
+                "while every replica is paused in merge_call, so it cannot start new "
+                "replicas. Return from merge_fn and call `run` from the outer loop"
+            )
+        return self._run_replicas(fn, tuple(args), kwargs or {})
+
+    @abc.abstractmethod
+    def _run_replicas(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """`fn` once per local replica in replica context (the checks are done)."""
 
     def colocate_vars_with(
         self, colocate_with_variable: Any
     ) -> contextlib.AbstractContextManager[None]:
-        """A scope in which new variables are placed like `colocate_with_variable`."""
-        raise NotImplementedError
+        """A scope in which new variables are placed like `colocate_with_variable`.
 
+        By default every variable of the strategy lives on the same devices: the
+        variable must be this strategy's, and nothing else changes.
+        """
+        return self._colocate_same_devices(colocate_with_variable)
+
+    @contextlib.contextmanager
+    def _colocate_same_devices(self, colocate_with_variable: Any) -> Iterator[None]:
+        if not self.variable_created_in_scope(colocate_with_variable):
+            raise InvalidArgumentError(
+                f"colocate_vars_with needs a variable created in {self._container_strategy!r}'s "
+                f"scope, got {type(colocate_with_variable).__name__}"
+            )
+        yield  # every variable of this strategy already lives on the same devices
+
+    @abc.abstractmethod
     def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any) -> Any:
         """Reduces `value` across replicas and places the result on `destinations`."""
-        raise NotImplementedError
 
     def batch_reduce_to(
         self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]]
@@ -97,8 +139,28 @@ class StrategyExtended:
         kwargs: dict[str, Any] | None = None,
         group: bool = True,
     ) -> Any:
-        """Calls `fn(component, *args, **kwargs)` on every component of `var`."""
-        raise NotImplementedError
+        """Calls `fn(component, *args, **kwargs)` on every component of `var`.
+
+        Refuses a variable of another strategy (every engine), then runs the engine's
+        `_update`.
+        """
+        if not self.variable_created_in_scope(var):
+            raise InvalidArgumentError(
+                f"update() needs a variable of {self._container_strategy!r}, got "
+                f"{type(var).__name__}"
+            )
+        return self._update(var, fn, tuple(args), kwargs or {}, group)
+
+    @abc.abstractmethod
+    def _update(
+        self,
+        var: Any,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        group: bool,
+    ) -> Any:
+        """`update` of a variable of this strategy (the check is done)."""
 
     def variable_created_in_scope(self, v: Any) -> bool:
         """Whether `v` is a variable created in this strategy's scope."""
@@ -143,6 +205,13 @@ class StrategyExtended:
         return None
 
     @property
+    def step_runner(self) -> StepRunner:
+        """How `ds.Model`'s loop runs its steps on this engine (each one `run` here; as
+        one XLA execution per ``steps_per_execution``; as closures a coordinator
+        schedules on the workers)."""
+        return StepRunner.IN_PROCESS
+
+    @property
     def static_batch_shapes(self) -> bool:
         """Whether every step must see batches of one shape (XLA compiles per shape):
         input the library builds pads a partial last batch with weight-0 rows."""
@@ -150,6 +219,7 @@ class StrategyExtended:
 
     # -- internals the rest of the library calls ----------------------------------
 
+    @abc.abstractmethod
     def _create_variable(
         self,
         value: torch.Tensor,
@@ -167,7 +237,6 @@ class StrategyExtended:
         the module's code initializes after registering it; a strategy may keep it
         where it is until then (NOTE [placement] in strategies/_placement.py).
         """
-        raise NotImplementedError
 
     def _captures(self, module: torch.nn.Module, tensor: torch.Tensor) -> bool:
         """Whether a parameter or buffer ``module`` registers in the scope is this
@@ -192,9 +261,11 @@ class StrategyExtended:
 
     def _capture_submodule(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
         """``child`` was attached to ``parent`` in the scope (nothing to do by default)."""
+        return None
 
     def _place_variables(self, only: DistributedVariable | None = None) -> None:
         """Places variables kept where they were created (see `_create_variable`)."""
+        return None
 
     def _set_variable_data(self, var: DistributedVariable, value: torch.Tensor) -> None:
         """``var.data = value``: every copy of ``var`` takes ``value``."""
@@ -202,11 +273,13 @@ class StrategyExtended:
         with torch.no_grad():
             tensor_base.data.__set__(var, value)
 
+    @abc.abstractmethod
     def _replica_all_reduce(self, replica_ctx: ReplicaContext, op: ReduceOp, value: Any) -> Any:
-        raise NotImplementedError
+        """The engine's; see `ReplicatedExtended`."""
 
+    @abc.abstractmethod
     def _replica_all_gather(self, replica_ctx: ReplicaContext, value: Any, axis: int) -> Any:
-        raise NotImplementedError
+        """The engine's; see `ReplicatedExtended`."""
 
     def _replica_reduce_assigned(
         self, replica_ctx: ReplicaContext, op: ReduceOp, value: Any
@@ -215,6 +288,7 @@ class StrategyExtended:
         result: torch.Tensor = self._replica_all_reduce(replica_ctx, op, torch.as_tensor(value))
         return result
 
+    @abc.abstractmethod
     def _replica_merge_call(
         self,
         replica_ctx: ReplicaContext,
@@ -222,42 +296,52 @@ class StrategyExtended:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        raise NotImplementedError
+        """The engine's; see `ReplicatedExtended`."""
 
+    @abc.abstractmethod
     def _replica_broadcast_first(self, replica_ctx: ReplicaContext, value: torch.Tensor) -> Any:
-        raise NotImplementedError
+        """The engine's; see `ReplicatedExtended`."""
 
+    @abc.abstractmethod
     def _replica_once(self, replica_ctx: ReplicaContext, fn: Callable[[], None]) -> None:
-        raise NotImplementedError
+        """The engine's; see `ReplicatedExtended`."""
 
+    @abc.abstractmethod
     def _read_sync_on_read(self, var: DistributedVariable) -> torch.Tensor:
-        raise NotImplementedError
+        """The engine's; see `ReplicatedExtended`."""
 
     def _skip_grads_in_this_replica(self) -> bool:
         return False
 
+    @abc.abstractmethod
     def _num_replicas_in_sync(self) -> int:
-        raise NotImplementedError
+        """The engine's; see `ReplicatedExtended`."""
 
+    @abc.abstractmethod
     def _reduce(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
-        raise NotImplementedError
+        """The engine's; see `ReplicatedExtended`."""
 
+    @abc.abstractmethod
     def _gather(self, value: Any, axis: int) -> Any:
-        raise NotImplementedError
+        """The engine's; see `ReplicatedExtended`."""
 
+    @abc.abstractmethod
     def _local_results(self, value: Any) -> tuple[Any, ...]:
-        raise NotImplementedError
+        """The engine's; see `ReplicatedExtended`."""
 
+    @abc.abstractmethod
     def _distribute_dataset(self, dataset: Any, options: InputOptions | None) -> Any:
-        raise NotImplementedError
+        """The engine's; see `ReplicatedExtended`."""
 
+    @abc.abstractmethod
     def _distribute_datasets_from_function(
         self, dataset_fn: Callable[[InputContext], Any], options: InputOptions | None
     ) -> Any:
-        raise NotImplementedError
+        """The engine's; see `ReplicatedExtended`."""
 
+    @abc.abstractmethod
     def _distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
-        raise NotImplementedError
+        """The engine's; see `ReplicatedExtended`."""
 
     def _enter_scope(self) -> None:
         context._enter_scope(self._container_strategy)

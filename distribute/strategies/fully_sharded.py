@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from distribute import _torch
 from distribute.cluster_resolver import ClusterResolver, resolve_cluster
 from distribute.collectives.options import CommunicationOptions
 from distribute.errors import InvalidArgumentError
@@ -33,7 +32,7 @@ from distribute.strategies._cluster import (
     WorkerIdentity,
     backend_for,
     bind_process,
-    describe_cluster,
+    join_cluster,
     worker_devices,
 )
 from distribute.strategies._devices import device_list
@@ -46,7 +45,6 @@ from distribute.strategies._replicated import (
 from distribute.strategies.base import Strategy
 
 if TYPE_CHECKING:
-    from distribute.collectives.process_group import ProcessGroupCollectives
     from distribute.strategies._sharding import ShardingOptions
 
 __all__ = ["FullyShardedStrategy"]
@@ -144,7 +142,9 @@ class FullyShardedStrategy(WorkerIdentity, Strategy):
         shape = _mesh_shape(mesh_shape, world_size)
         bound = bind_process([device])
         backend = backend_for(options.implementation, [device])
-        self._collectives = _collectives(resolver, rank, world_size, backend, timeout, bound)
+        collectives = join_cluster(resolver, backend, timeout, bound, group_of_one=True)
+        assert collectives is not None  # group_of_one
+        self._collectives = collectives
         weakref.finalize(self, self._collectives.shutdown)
         mesh, replicate_group = device_mesh(device, dist.get_world_size(), shape)
         self._sharding_options = ShardingOptions(
@@ -210,38 +210,3 @@ def _mesh_shape(shape: tuple[int, int] | None, world_size: int) -> tuple[int, in
             "the number of workers"
         )
     return (replicate, shard)
-
-
-def _collectives(
-    resolver: ClusterResolver | None,
-    rank: int,
-    world_size: int,
-    backend: str,
-    timeout: float,
-    device: torch.device | None,
-) -> ProcessGroupCollectives:
-    """The workers' process group (FSDP needs one, a single worker too)."""
-    from distribute.collectives.process_group import ProcessGroupCollectives
-
-    if resolver is not None and world_size > 1:
-        return ProcessGroupCollectives.create(
-            resolver.rank,
-            world_size,
-            resolver.master_addr,
-            resolver.master_port,
-            backend=backend,
-            timeout_seconds=timeout,
-            cluster=describe_cluster(resolver, world_size),
-            prefix=resolver.rendezvous_prefix,
-            launcher_serves=resolver.launcher_serves_rendezvous,
-            device=device if backend == "nccl" else None,
-        )
-    if dist.is_initialized():
-        return ProcessGroupCollectives.adopt(timeout_seconds=timeout)
-    # One worker: a group of one, served by an in-process store (no port).
-    dist.init_process_group(
-        backend, store=_torch.HashStore(), rank=0, world_size=1, device_id=device
-    )
-    return ProcessGroupCollectives(
-        None, None, 0, 1, backend, timeout, owns_group=True, device=device
-    )

@@ -34,11 +34,10 @@ import datetime
 import logging
 import sys
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from distribute import _torch, context
 from distribute._enums import ReduceOp, VariableAggregation, VariableSynchronization
@@ -48,12 +47,12 @@ from distribute.collectives._shapes import check_axis
 from distribute.collectives.options import CommunicationOptions
 from distribute.collectives.process_group import is_transport_error
 from distribute.context import ReplicaContext
-from distribute.errors import ContextError, InvalidArgumentError
+from distribute.errors import InvalidArgumentError
 from distribute.strategies._batch_gradients import BatchAxisGradients, MeshStepHandler
 from distribute.strategies._cluster import (
     backend_for,
     bind_process,
-    describe_cluster,
+    join_cluster,
     worker_devices,
 )
 from distribute.strategies._devices import parse_device
@@ -307,56 +306,28 @@ class _MeshExtended(StrategyExtended):
     def variable_created_in_scope(self, v: Any) -> bool:
         return getattr(v, "_ds_managed_by", None) is self._container_strategy
 
-    @contextlib.contextmanager
-    def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
-        if not self.variable_created_in_scope(colocate_with_variable):
-            raise InvalidArgumentError(
-                f"colocate_vars_with needs a variable created in {self._container_strategy!r}'s "
-                f"scope, got {type(colocate_with_variable).__name__}"
-            )
-        yield  # every variable of this strategy lives on the mesh already
-
-    def update(
+    def _update(
         self,
         var: Any,
         fn: Callable[..., Any],
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-        group: bool = True,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        group: bool,
     ) -> Any:
-        if not self.variable_created_in_scope(var):
-            raise InvalidArgumentError(
-                f"update() needs a variable of {self._container_strategy!r}, got "
-                f"{type(var).__name__}"
-            )
         with torch.no_grad():
-            result = fn(var, *args, **(kwargs or {}))
+            result = fn(var, *args, **kwargs)
         return result if group else (result,)
 
     # -- run --------------------------------------------------------------------------
 
-    def call_for_each_replica(
-        self,
-        fn: Callable[..., Any],
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
+    def _run_replicas(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        top = context._top()
-        if top is not None and top.replica_context is not None:
-            raise ContextError(
-                f"`run` was called inside `run` of {top.strategy!r}; call `run` once per "
-                "step from cross-replica code and do per-replica work inside `fn`"
-            )
-        if top is not None and top.in_merge:
-            raise ContextError(
-                f"`run` was called inside a merge_fn of {top.strategy!r}; return from "
-                "merge_fn and call `run` from the outer loop"
-            )
         self._layouts.optimizers.stop()
         self._lay_out_pending()
         strategy = self._container_strategy
         replica_ctx = ReplicaContext(strategy, self._replica_id, 0)
-        args, kwargs = select_replica(0, (tuple(args), kwargs or {}), 1)
+        args, kwargs = select_replica(0, (args, kwargs), 1)
         if self._plan.device.type != "cpu":
             args, kwargs = _on_device((args, kwargs), self._plan.device)
         with context._push(strategy, replica_ctx), self._plain_is_replicated():
@@ -414,6 +385,15 @@ class _MeshExtended(StrategyExtended):
         strategy = self._container_strategy
         with context._push(strategy, None, in_merge=True):
             return merge_fn(strategy, *args, **kwargs)
+
+    def _replica_broadcast_first(self, replica_ctx: ReplicaContext, value: torch.Tensor) -> Any:
+        """The first replica's value (along the batch axis) on every worker."""
+        tensor = _whole(torch.as_tensor(value)).detach().clone()
+        self._collectives.batch.broadcast([tensor], 0, name="the first replica's value")
+        return tensor
+
+    def _replica_once(self, replica_ctx: ReplicaContext, fn: Callable[[], None]) -> None:
+        fn()  # one replica per worker
 
     # -- cross-replica reductions -----------------------------------------------------
 
@@ -604,7 +584,8 @@ class ModelParallelStrategy(Strategy):
         timeout = float(options.timeout_seconds or DEFAULT_TIMEOUT_SECONDS)
         bound = bind_process([device])
         backend = backend_for(options.implementation, [device])
-        world = _join(resolver, rank, world_size, backend, timeout, bound)
+        world = join_cluster(resolver, backend, timeout, bound, group_of_one=True)
+        assert world is not None  # group_of_one
         plan = _mesh_plan(mesh, batch_axis, device, backend, timeout)
         collectives = _Collectives(
             world,
@@ -715,41 +696,6 @@ def _this_device(
     if mesh.devices is not None:
         return parse_device(mesh.devices[rank])[1]
     return parse_device(worker_devices(resolver)[0])[1]
-
-
-def _join(
-    resolver: ClusterResolver | None,
-    rank: int,
-    world_size: int,
-    backend: str,
-    timeout: float,
-    device: torch.device | None,
-) -> ProcessGroupCollectives:
-    """The workers' process group (DTensor needs one, a single worker too)."""
-    from distribute.collectives.process_group import ProcessGroupCollectives
-
-    if resolver is not None and world_size > 1:
-        return ProcessGroupCollectives.create(
-            rank,
-            world_size,
-            resolver.master_addr,
-            resolver.master_port,
-            backend=backend,
-            timeout_seconds=timeout,
-            cluster=describe_cluster(resolver, world_size),
-            prefix=resolver.rendezvous_prefix,
-            launcher_serves=resolver.launcher_serves_rendezvous,
-            device=device if backend == "nccl" else None,
-        )
-    if dist.is_initialized():
-        return ProcessGroupCollectives.adopt(timeout_seconds=timeout)
-    # One worker: a group of one, served by an in-process store (no port).
-    dist.init_process_group(
-        backend, store=_torch.HashStore(), rank=0, world_size=1, device_id=device
-    )
-    return ProcessGroupCollectives(
-        None, None, 0, 1, backend, timeout, owns_group=True, device=device
-    )
 
 
 def _mesh_plan(

@@ -26,7 +26,7 @@ from distribute.strategies._cluster import (
     WorkerIdentity,
     backend_for,
     bind_process,
-    describe_cluster,
+    join_cluster,
     worker_devices,
 )
 from distribute.strategies._devices import device_list
@@ -97,21 +97,9 @@ class MultiWorkerMirroredStrategy(WorkerIdentity, Strategy):
         bound = bind_process(replicas)
         workers = None
         if resolver is not None and world_size > 1:
-            from distribute.collectives.process_group import ProcessGroupCollectives
-
             backend = backend_for(options.implementation, replicas)
-            self._collectives = ProcessGroupCollectives.create(
-                resolver.rank,
-                world_size,
-                resolver.master_addr,
-                resolver.master_port,
-                backend=backend,
-                timeout_seconds=timeout,
-                cluster=describe_cluster(resolver, world_size),
-                prefix=resolver.rendezvous_prefix,
-                launcher_serves=resolver.launcher_serves_rendezvous,
-                device=bound if backend == "nccl" else None,
-            )
+            self._collectives = join_cluster(resolver, backend, timeout, bound, group_of_one=False)
+            assert self._collectives is not None  # several workers
             workers = Workers(resolver.rank, world_size, self._collectives)
             weakref.finalize(self, self._collectives.shutdown)
             if resolver.rank == 0:

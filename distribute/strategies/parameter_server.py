@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from distribute._enums import StepRunner
 from distribute.cluster_resolver.base import ClusterResolver
 from distribute.errors import InvalidArgumentError
 from distribute.ps import _runtime
@@ -112,6 +113,7 @@ class ParameterServerStrategy(Strategy):
                 wrap_single_values=False,
                 home=self._variables,
                 lifecycle=self._variables,
+                step_runner=StepRunner.COORDINATED,
             )
         )
         if _task is not None:

@@ -47,12 +47,14 @@ import numpy as np
 import torch
 
 from distribute import context, values
+from distribute._enums import StepRunner
 from distribute.cluster_resolver.tpu import TPUClusterResolver
 from distribute.collectives import xla
 from distribute.data._xla_input import XlaShardedDataset, global_batches
 from distribute.data.options import InputOptions
 from distribute.errors import InvalidArgumentError
 from distribute.strategies._layout import LayoutMap, resolve_layouts
+from distribute.strategies._module_recorder import ModuleRecorder
 from distribute.strategies._replicated import ReplicatedExtended
 from distribute.strategies.base import Strategy
 from distribute.tpu import DeviceAssignment, initialize_tpu_system
@@ -162,9 +164,7 @@ class _GspmdLayout:
 
     def __init__(self, strategy: TPUStrategy) -> None:
         self._strategy_ref = weakref.ref(strategy)
-        self._parents: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._recorder = ModuleRecorder("TPUStrategy")  # parent links: a variable's path
 
     @property
     def _strategy(self) -> TPUStrategy:
@@ -183,13 +183,13 @@ class _GspmdLayout:
         return capture_parameter(self._strategy, module, name, param)
 
     def capture_submodule(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
-        self._parents[child] = parent
+        self._recorder.record_child(parent, child)
 
     # -- lifecycle ----------------------------------------------------------------------
 
     def placed(self, variables: list[DistributedVariable]) -> None:
         if variables:
-            self._strategy._lay_out(variables, self._parents)
+            self._strategy._lay_out(variables, self._recorder.root_of)
 
     def scope_entered(self) -> None:
         """Nothing: variables are laid out once placed (`placed`)."""
@@ -316,6 +316,7 @@ class TPUStrategy(Strategy):
                 static_batch_shapes=True,
                 capture=layout,
                 lifecycle=layout,
+                step_runner=StepRunner.XLA_EXECUTIONS,
             )
         else:
             devices = [
@@ -329,7 +330,9 @@ class TPUStrategy(Strategy):
                 },
                 key=lambda d: d.index or 0,
             )
-            extended = ReplicatedExtended(self, devices, static_batch_shapes=True)
+            extended = ReplicatedExtended(
+                self, devices, static_batch_shapes=True, step_runner=StepRunner.XLA_EXECUTIONS
+            )
         # Autograd's device queues were sized at the process's first backward: refuse
         # here, with the fix, what would fail inside autograd at the first step.
         xla.check_autograd(self._step_devices)
@@ -375,7 +378,7 @@ class TPUStrategy(Strategy):
     def _lay_out(
         self,
         placed: Sequence[DistributedVariable],
-        parents: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module],
+        root_of: Callable[[torch.nn.Module], torch.nn.Module],
     ) -> None:
         """Annotates variables just placed on the device for GSPMD: each module
         variable as the layout map says for its path from its outermost module (the
@@ -387,13 +390,9 @@ class TPUStrategy(Strategy):
         for var in placed:
             for ref, _, _ in var._ds_owners:
                 module = ref()
-                seen: set[int] = set()
-                while module is not None and id(module) not in seen:
-                    seen.add(id(module))
-                    parent = parents.get(module)
-                    if parent is None:
-                        roots.setdefault(id(module), module)
-                    module = parent
+                if module is not None:
+                    root = root_of(module)
+                    roots.setdefault(id(root), root)
         specs: dict[int, tuple[str | None, ...]] = {}
         for root in roots.values():
             layouts = resolve_layouts(self._layout_map, root)

@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from distribute._enums import StepRunner
 from distribute.coordinator import ClusterCoordinator, PerWorkerValues
 from distribute.errors import InvalidArgumentError
-from distribute.strategies.parameter_server import ParameterServerStrategy
 from distribute.training._data import Data, adapt, local_batch_size
 from distribute.training.callbacks import BackupAndRestore, CallbackList
 
@@ -59,7 +59,7 @@ _IN_FLIGHT_PER_WORKER = 2
 def applies(strategy: Any) -> bool:
     """Whether `strategy` trains through a coordinator (the chief of a
     `ParameterServerStrategy`)."""
-    return isinstance(strategy, ParameterServerStrategy)
+    return strategy.extended.step_runner is StepRunner.COORDINATED
 
 
 class _PerWorkerData(Data):

@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from distribute.strategies.tpu import TPUStrategy
+from distribute._enums import StepRunner
 from distribute.values import DistributedValues, flatten, map_structure
 
 __all__ = ["StepExecutions"]
@@ -83,7 +83,7 @@ class StepExecutions:
 
     def __init__(self, strategy: Any, steps_per_execution: int) -> None:
         self._strategy = strategy
-        self._xla = isinstance(strategy, TPUStrategy)
+        self._xla = strategy.extended.step_runner is StepRunner.XLA_EXECUTIONS
         #: Steps per execution: ``steps_per_execution`` on XLA, else 1.
         self.size = steps_per_execution if self._xla else 1
         self._open: contextlib.ExitStack | None = None
