@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 from distribute.errors import InvalidArgumentError
 
-__all__ = ["ReduceOp", "StepRunner", "VariableAggregation", "VariableSynchronization"]
+__all__ = [
+    "ReduceOp",
+    "StepRunner",
+    "VariableAggregation",
+    "VariableSpec",
+    "VariableSynchronization",
+]
 
 
 class ReduceOp(enum.Enum):
@@ -88,3 +95,31 @@ class StepRunner(enum.Enum):
     IN_PROCESS = "in_process"  # each step is one `strategy.run` in this process
     XLA_EXECUTIONS = "xla_executions"  # steps_per_execution steps as one XLA execution
     COORDINATED = "coordinated"  # closures a ClusterCoordinator runs on the workers
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableSpec:
+    """What a variable about to be created is, beside its value (what an engine's
+    ``_create_variable`` receives).
+
+    Attributes:
+        trainable: whether optimizers train it.
+        synchronization: when its copies agree.
+        aggregation: how replicas' writes combine.
+        is_param: a module's parameter (an ``nn.Parameter`` to ``isinstance``).
+        is_buffer: a module's buffer.
+        deferred: registered by a module whose code initializes it afterwards; an
+            engine may keep it where it is until then.
+
+    Example:
+        >>> VariableSpec(True, VariableSynchronization.ON_WRITE, VariableAggregation.NONE)
+        VariableSpec(trainable=True, synchronization=<VariableSynchronization.ON_WRITE: 2>, \
+aggregation=<VariableAggregation.NONE: 0>, is_param=False, is_buffer=False, deferred=False)
+    """
+
+    trainable: bool
+    synchronization: VariableSynchronization
+    aggregation: VariableAggregation
+    is_param: bool = False
+    is_buffer: bool = False
+    deferred: bool = False

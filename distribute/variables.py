@@ -39,7 +39,7 @@ from torch.nn.modules import module as _module
 from torch.utils.hooks import RemovableHandle
 
 from distribute import _torch, context
-from distribute._enums import ReduceOp, VariableAggregation, VariableSynchronization
+from distribute._enums import ReduceOp, VariableAggregation, VariableSpec, VariableSynchronization
 from distribute.errors import ContextError, InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -569,10 +569,7 @@ def Variable(
     if context._current_replica_context_for(strategy) is not None:
         _refuse_in_replica_context(strategy, "ds.Variable")
     return strategy.extended._create_variable(
-        value,
-        trainable=trainable,
-        synchronization=synchronization,
-        aggregation=aggregation,
+        value, VariableSpec(trainable, synchronization, aggregation)
     )
 
 
@@ -650,14 +647,14 @@ def capture_parameter(
     strategy: Strategy, module: torch.nn.Module, name: str, param: torch.nn.Parameter
 ) -> torch.nn.Parameter | None:
     """A module's new parameter as ``strategy``'s variable (what a scope does by default)."""
-    var = strategy.extended._create_variable(
-        param.detach(),
-        trainable=param.requires_grad,
-        synchronization=VariableSynchronization.ON_WRITE,
-        aggregation=VariableAggregation.NONE,
+    spec = VariableSpec(
+        param.requires_grad,
+        VariableSynchronization.ON_WRITE,
+        VariableAggregation.NONE,
         is_param=True,
         deferred=True,
     )
+    var = strategy.extended._create_variable(param.detach(), spec)
     _owned(var, param, module, "param", name)
     return var  # type: ignore[return-value]  # isinstance(var, Parameter) holds
 
@@ -682,14 +679,14 @@ def capture_buffer(
     strategy: Strategy, module: torch.nn.Module, name: str, buffer: torch.Tensor
 ) -> torch.Tensor | None:
     """A module's new buffer as ``strategy``'s variable (what a scope does by default)."""
-    var = strategy.extended._create_variable(
-        buffer,
-        trainable=False,
-        synchronization=VariableSynchronization.ON_WRITE,
-        aggregation=buffer_aggregation(buffer),
+    spec = VariableSpec(
+        False,
+        VariableSynchronization.ON_WRITE,
+        buffer_aggregation(buffer),
         is_buffer=True,
         deferred=True,
     )
+    var = strategy.extended._create_variable(buffer, spec)
     if var is buffer:
         return None  # the strategy keeps this buffer as it is (parameter servers)
     _owned(var, buffer, module, "buffer", name)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from distribute._enums import VariableAggregation, VariableSynchronization
+from distribute._enums import VariableSpec
 
 if TYPE_CHECKING:
     from distribute.collectives.base import CrossWorker
@@ -86,17 +86,7 @@ class VariableHome(Protocol):
         """The devices holding this worker's variable copies."""
         ...
 
-    def create_variable(
-        self,
-        value: torch.Tensor,
-        *,
-        trainable: bool,
-        synchronization: VariableSynchronization,
-        aggregation: VariableAggregation,
-        is_param: bool,
-        is_buffer: bool,
-        deferred: bool,
-    ) -> Any:
+    def create_variable(self, value: torch.Tensor, spec: VariableSpec) -> Any:
         """The strategy's variable holding ``value`` (or ``value`` itself, kept as it is)."""
         ...
 

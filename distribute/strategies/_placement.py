@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distribute import _torch
-from distribute._enums import VariableAggregation, VariableSynchronization
+from distribute._enums import VariableAggregation, VariableSpec, VariableSynchronization
 from distribute.errors import InvalidArgumentError
 from distribute.variables import DistributedVariable, buffer_aggregation, carry_attributes
 
@@ -169,15 +169,14 @@ class VariablePlacement:
         owners: list[Any],
     ) -> DistributedVariable:
         ext = self._ext
-        var = ext._make_variable(
-            plain.detach(),
-            trainable=plain.requires_grad if not is_buffer else False,
-            synchronization=VariableSynchronization.ON_WRITE,
-            aggregation=buffer_aggregation(plain) if is_buffer else aggregation,
+        spec = VariableSpec(
+            plain.requires_grad if not is_buffer else False,
+            VariableSynchronization.ON_WRITE,
+            buffer_aggregation(plain) if is_buffer else aggregation,
             is_param=not is_buffer,
             is_buffer=is_buffer,
-            devices=(plain.device,),
         )
+        var = ext._make_variable(plain.detach(), spec, devices=(plain.device,))
         attributes = dict(vars(plain))
         self._swap(plain, var, what="materialized")
         adopted: DistributedVariable = plain  # type: ignore[assignment]  # now the variable
@@ -197,15 +196,7 @@ class VariablePlacement:
                 _set_data(var, moved)
             else:
                 owners = var._ds_owners
-                replacement = ext._make_variable(
-                    moved,
-                    trainable=var._ds_trainable,
-                    synchronization=var._ds_synchronization,
-                    aggregation=var._ds_aggregation,
-                    is_param=bool(getattr(var, "_is_param", False)),
-                    is_buffer=var._ds_is_buffer,
-                    devices=(target,),
-                )
+                replacement = ext._make_variable(moved, _spec_of(var), devices=(target,))
                 attributes = dict(vars(var))
                 self._swap(var, replacement, what="placed")
                 carry_attributes(attributes, var)
@@ -271,13 +262,7 @@ class VariablePlacement:
             else:  # from the meta device: the object takes the new tensor in place
                 owners = var._ds_owners
                 replacement = ext._make_variable(
-                    value.detach(),
-                    trainable=var._ds_trainable,
-                    synchronization=var._ds_synchronization,
-                    aggregation=var._ds_aggregation,
-                    is_param=bool(getattr(var, "_is_param", False)),
-                    is_buffer=var._ds_is_buffer,
-                    devices=(value.device,),
+                    value.detach(), _spec_of(var), devices=(value.device,)
                 )
                 attributes = dict(vars(var))
                 self._swap(var, replacement, what="materialized")
@@ -328,3 +313,14 @@ def _fit_grad(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
     if grad.shape != like.shape:
         return None
     return grad.to(device=like.device, dtype=like.dtype)
+
+
+def _spec_of(var: DistributedVariable) -> VariableSpec:
+    """What ``var`` is, for a replacement of it."""
+    return VariableSpec(
+        var._ds_trainable,
+        var._ds_synchronization,
+        var._ds_aggregation,
+        is_param=bool(getattr(var, "_is_param", False)),
+        is_buffer=var._ds_is_buffer,
+    )

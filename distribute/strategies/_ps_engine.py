@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from distribute import context
-from distribute._enums import VariableAggregation, VariableSynchronization
+from distribute._enums import VariableAggregation, VariableSpec, VariableSynchronization
 from distribute.cluster_resolver.base import ClusterResolver
 from distribute.cluster_resolver.cluster_spec import split_host_port
 from distribute.collectives._rendezvous import rendezvous
@@ -206,27 +206,18 @@ class ParameterServerVariables:
         self._next_ps += 1
         return task
 
-    def create_variable(
-        self,
-        value: torch.Tensor,
-        *,
-        trainable: bool,
-        synchronization: VariableSynchronization,
-        aggregation: VariableAggregation,
-        is_param: bool,
-        is_buffer: bool,
-        deferred: bool,
-    ) -> Any:
-        if is_buffer or self._on_task:
+    def create_variable(self, value: torch.Tensor, spec: VariableSpec) -> Any:
+        trainable, aggregation = spec.trainable, spec.aggregation
+        if spec.is_buffer or self._on_task:
             # Buffers stay with the module on each task (README); inside a closure on
             # a worker nothing is created on the ps tasks.
             return value
-        if synchronization is VariableSynchronization.NONE:
+        if spec.synchronization is VariableSynchronization.NONE:
             raise InvalidArgumentError(
                 "`NONE` variable synchronization is not supported under "
                 "ParameterServerStrategy; use AUTO or ON_WRITE"
             )
-        if not is_param:
+        if not spec.is_param:
             trainable = trainable and (value.is_floating_point() or value.is_complex())
         runtime = _runtime.current()
         shards = (

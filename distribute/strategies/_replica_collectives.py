@@ -23,6 +23,7 @@ from distribute.collectives._shapes import check_axis, check_matching_shapes
 from distribute.collectives.packing import PackedTensors, pack_tensors, sum_packs, unpack_tensors
 from distribute.context import ReplicaContext
 from distribute.errors import CollectiveMismatchError, InvalidArgumentError
+from distribute.strategies._autograd_collectives import AllGather, AllReduce
 from distribute.values import flatten, pack_sequence_as, regroup, select_replica
 
 if TYPE_CHECKING:
@@ -113,8 +114,8 @@ class ReplicaCollectives:
         skipped.
         """
         if torch.is_grad_enabled() and any(map(_requires_grad, tensors)):
-            outs: tuple[torch.Tensor, ...] = _AllReduce.apply(  # type: ignore[no-untyped-call]  # autograd.Function.apply is untyped
-                self, local, op, "all_reduce", *tensors
+            outs: tuple[torch.Tensor, ...] = AllReduce.apply(  # type: ignore[no-untyped-call]  # autograd.Function.apply is untyped
+                _LocalReducer(self, local), op, "all_reduce", *tensors
             )
             return outs
         return self.all_reduce_tensors(local, op, tensors, "all_reduce")
@@ -160,7 +161,8 @@ class ReplicaCollectives:
         for leaf in leaves:
             tensor = torch.as_tensor(leaf)
             check_axis(tensor, axis, "all_gather")
-            outs.append(_AllGather.apply(self, local, axis % tensor.dim(), tensor))  # type: ignore[no-untyped-call]  # autograd.Function.apply is untyped
+            reducer = _LocalReducer(self, local)
+            outs.append(AllGather.apply(reducer, axis % tensor.dim(), tensor))  # type: ignore[no-untyped-call]  # autograd.Function.apply is untyped
         return pack_sequence_as(value, outs)
 
     def all_gather_tensor(
@@ -243,43 +245,21 @@ def _short(value: Any) -> str:
     return repr(value)
 
 
-class _AllReduce(torch.autograd.Function):
-    """All-reduce whose gradient is the all-reduce of the gradient (SUM: sum; MEAN: mean)."""
+class _LocalReducer:
+    """One local replica's collectives (`_autograd_collectives.Reducer`)."""
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        ops: ReplicaCollectives,
-        local: int,
-        op: ReduceOp,
-        name: str,
-        *tensors: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.ops, ctx.local, ctx.op, ctx.name = ops, local, op, name
-        return tuple(ops.all_reduce_tensors(local, op, tensors, name))
+    __slots__ = ("_local", "_ops")
 
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ops: ReplicaCollectives = ctx.ops
-        out = ops.all_reduce_tensors(ctx.local, ctx.op, list(grads), f"{ctx.name} (backward)")
-        return (None, None, None, None, *out)
+    def __init__(self, ops: ReplicaCollectives, local: int) -> None:
+        self._ops, self._local = ops, local
 
+    def all_reduce(
+        self, op: ReduceOp, tensors: Sequence[torch.Tensor], name: str
+    ) -> Sequence[torch.Tensor]:
+        return self._ops.all_reduce_tensors(self._local, op, list(tensors), name)
 
-class _AllGather(torch.autograd.Function):
-    """All-gather whose gradient is this replica's slice of the summed gradient."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, ops: ReplicaCollectives, local: int, axis: int, tensor: torch.Tensor
-    ) -> torch.Tensor:
-        gathered, sizes = ops.all_gather_tensor(local, tensor, axis, "all_gather")
-        ctx.ops, ctx.local, ctx.axis, ctx.sizes = ops, local, axis, sizes
-        ctx.global_id = ops._ext._global_id(local)
-        return gathered
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        ops: ReplicaCollectives = ctx.ops
-        summed = ops.all_reduce_tensors(ctx.local, ReduceOp.SUM, [grad], "all_gather (backward)")[0]
-        offset = sum(ctx.sizes[: ctx.global_id])
-        return (None, None, None, summed.narrow(ctx.axis, offset, ctx.sizes[ctx.global_id]))
+    def all_gather(
+        self, tensor: torch.Tensor, axis: int, name: str
+    ) -> tuple[torch.Tensor, list[int], int]:
+        gathered, sizes = self._ops.all_gather_tensor(self._local, tensor, axis, name)
+        return gathered, sizes, self._ops._ext._global_id(self._local)

@@ -26,7 +26,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distribute import context
-from distribute._enums import ReduceOp, StepRunner, VariableAggregation, VariableSynchronization
+from distribute._enums import (
+    ReduceOp,
+    StepRunner,
+    VariableAggregation,
+    VariableSpec,
+    VariableSynchronization,
+)
 from distribute.collectives.base import CrossWorker
 from distribute.context import ReplicaContext
 from distribute.errors import (
@@ -371,27 +377,10 @@ class ReplicatedExtended(StrategyExtended):
 
     # -- variables --------------------------------------------------------------------
 
-    def _create_variable(
-        self,
-        value: torch.Tensor,
-        *,
-        trainable: bool,
-        synchronization: VariableSynchronization,
-        aggregation: VariableAggregation,
-        is_param: bool = False,
-        is_buffer: bool = False,
-        deferred: bool = False,
-    ) -> Any:
+    def _create_variable(self, value: torch.Tensor, spec: VariableSpec) -> Any:
         if self._home is not None:
-            return self._home.create_variable(
-                value,
-                trainable=trainable,
-                synchronization=synchronization,
-                aggregation=aggregation,
-                is_param=is_param,
-                is_buffer=is_buffer,
-                deferred=deferred,
-            )
+            return self._home.create_variable(value, spec)
+        synchronization, aggregation = spec.synchronization, spec.aggregation
         if synchronization is VariableSynchronization.NONE:
             raise InvalidArgumentError(
                 "`NONE` variable synchronization mode is not supported under "
@@ -406,16 +395,8 @@ class ReplicatedExtended(StrategyExtended):
         # The default strategy places nothing: its variables stay where the value is.
         # A module's parameters and buffers stay where its code made them until it
         # has initialized them (NOTE [placement]); so does any value on the meta device.
-        keep = not self._captures_modules or deferred or value.is_meta
-        var = self._make_variable(
-            value,
-            trainable=trainable,
-            synchronization=synchronization,
-            aggregation=aggregation,
-            is_param=is_param,
-            is_buffer=is_buffer,
-            devices=(value.device,) if keep else self._devices,
-        )
+        keep = not self._captures_modules or spec.deferred or value.is_meta
+        var = self._make_variable(value, spec, devices=(value.device,) if keep else self._devices)
         if self._captures_modules and keep:
             self._placement.defer(var)
         else:
@@ -423,17 +404,10 @@ class ReplicatedExtended(StrategyExtended):
         return var
 
     def _make_variable(
-        self,
-        value: torch.Tensor,
-        *,
-        trainable: bool,
-        synchronization: VariableSynchronization,
-        aggregation: VariableAggregation,
-        is_param: bool,
-        is_buffer: bool,
-        devices: Sequence[torch.device],
+        self, value: torch.Tensor, spec: VariableSpec, devices: Sequence[torch.device]
     ) -> DistributedVariable:
         """A variable of this strategy on ``devices``, not yet registered with it."""
+        synchronization, is_buffer = spec.synchronization, spec.is_buffer
         cls: type[DistributedVariable]
         if synchronization is VariableSynchronization.ON_READ:
             cls = SyncOnReadVariable
@@ -450,10 +424,10 @@ class ReplicatedExtended(StrategyExtended):
             value,
             self._container_strategy,
             devices,
-            trainable=trainable,
-            aggregation=aggregation,
+            trainable=spec.trainable,
+            aggregation=spec.aggregation,
             synchronization=sync,
-            is_param=is_param,
+            is_param=spec.is_param,
             is_buffer=is_buffer,
             # Buffers keep a copy per replica even under central storage: kernels
             # update them in place during the forward pass, each from its own batch.

@@ -25,7 +25,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distribute import _torch, context
-from distribute._enums import ReduceOp, StepRunner, VariableAggregation, VariableSynchronization
+from distribute._enums import (
+    ReduceOp,
+    StepRunner,
+    VariableSpec,
+)
 from distribute.errors import ContextError, InvalidArgumentError
 from distribute.strategies import _torch_hooks
 
@@ -220,20 +224,10 @@ class StrategyExtended(abc.ABC):
     # -- internals the rest of the library calls ----------------------------------
 
     @abc.abstractmethod
-    def _create_variable(
-        self,
-        value: torch.Tensor,
-        *,
-        trainable: bool,
-        synchronization: VariableSynchronization,
-        aggregation: VariableAggregation,
-        is_param: bool = False,
-        is_buffer: bool = False,
-        deferred: bool = False,
-    ) -> DistributedVariable:
-        """A variable of this strategy holding ``value``.
+    def _create_variable(self, value: torch.Tensor, spec: VariableSpec) -> DistributedVariable:
+        """A variable of this strategy holding ``value``, as ``spec`` says.
 
-        ``deferred``: a module's parameter or buffer registered in the scope, which
+        ``spec.deferred``: a module's parameter or buffer registered in the scope, which
         the module's code initializes after registering it; a strategy may keep it
         where it is until then (NOTE [placement] in strategies/_placement.py).
         """

@@ -28,13 +28,8 @@ from distribute.cluster_resolver import ClusterResolver, resolve_cluster
 from distribute.collectives.options import CommunicationOptions
 from distribute.errors import InvalidArgumentError
 from distribute.gradients.sharded import ShardedStepHandler
-from distribute.strategies._cluster import (
-    WorkerIdentity,
-    backend_for,
-    bind_process,
-    join_cluster,
-    worker_devices,
-)
+from distribute.strategies import _cluster
+from distribute.strategies._cluster import WorkerIdentity
 from distribute.strategies._devices import device_list
 from distribute.strategies._replicated import (
     DEFAULT_TIMEOUT_SECONDS,
@@ -127,7 +122,7 @@ class FullyShardedStrategy(WorkerIdentity, Strategy):
         options = communication_options or CommunicationOptions()
         resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
         self._resolver = resolver
-        names = device_list(devices if devices is not None else worker_devices(resolver))
+        names = device_list(devices if devices is not None else _cluster.worker_devices(resolver))
         if len(names) != 1:
             raise InvalidArgumentError(
                 f"FullyShardedStrategy runs one replica per worker process, got {len(names)} "
@@ -140,9 +135,9 @@ class FullyShardedStrategy(WorkerIdentity, Strategy):
         world_size = resolver.world_size if resolver is not None else 1
         rank = resolver.rank if resolver is not None else 0
         shape = _mesh_shape(mesh_shape, world_size)
-        bound = bind_process([device])
-        backend = backend_for(options.implementation, [device])
-        collectives = join_cluster(resolver, backend, timeout, bound, group_of_one=True)
+        bound = _cluster.bind_process([device])
+        backend = _cluster.backend_for(options.implementation, [device])
+        collectives = _cluster.join_cluster(resolver, backend, timeout, bound, group_of_one=True)
         assert collectives is not None  # group_of_one
         self._collectives = collectives
         weakref.finalize(self, self._collectives.shutdown)

@@ -34,13 +34,13 @@ import datetime
 import logging
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from distribute import _torch, context
-from distribute._enums import ReduceOp, VariableAggregation, VariableSynchronization
+from distribute._enums import ReduceOp, VariableAggregation, VariableSpec, VariableSynchronization
 from distribute.cluster_resolver import ClusterResolver, resolve_cluster
 from distribute.collectives._deadlines import nccl_group_timeout
 from distribute.collectives._shapes import check_axis
@@ -48,8 +48,10 @@ from distribute.collectives.options import CommunicationOptions
 from distribute.collectives.process_group import is_transport_error
 from distribute.context import ReplicaContext
 from distribute.errors import InvalidArgumentError
+from distribute.strategies._autograd_collectives import AllGather, AllReduce
 from distribute.strategies._batch_gradients import BatchAxisGradients, MeshStepHandler
 from distribute.strategies._cluster import (
+    WorkerIdentity,
     backend_for,
     bind_process,
     join_cluster,
@@ -247,19 +249,9 @@ class _MeshExtended(StrategyExtended):
     def _capture_submodule(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
         self._layouts.record_child(parent, child)
 
-    def _create_variable(
-        self,
-        value: torch.Tensor,
-        *,
-        trainable: bool,
-        synchronization: VariableSynchronization,
-        aggregation: VariableAggregation,
-        is_param: bool = False,
-        is_buffer: bool = False,
-        deferred: bool = False,
-    ) -> DistributedVariable:
-        if synchronization is VariableSynchronization.ON_READ and not (
-            trainable or is_param or is_buffer
+    def _create_variable(self, value: torch.Tensor, spec: VariableSpec) -> DistributedVariable:
+        if spec.synchronization is VariableSynchronization.ON_READ and not (
+            spec.trainable or spec.is_param or spec.is_buffer
         ):
             # A replica's own sums (a metric's): whole on every worker, read by
             # aggregating over the batch group (each replica once).
@@ -270,8 +262,8 @@ class _MeshExtended(StrategyExtended):
                 self._container_strategy,
                 [self._plan.device],
                 trainable=False,
-                aggregation=aggregation,
-                synchronization=synchronization,
+                aggregation=spec.aggregation,
+                synchronization=spec.synchronization,
             )
         raise InvalidArgumentError(
             f"ds.Variable(...) of shape {tuple(value.shape)} was created in the scope of "
@@ -308,7 +300,7 @@ class _MeshExtended(StrategyExtended):
 
     def _update(
         self,
-        var: Any,
+        var: torch.Tensor,
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
@@ -359,7 +351,8 @@ class _MeshExtended(StrategyExtended):
         tensors = [_whole(torch.as_tensor(leaf)) for leaf in leaves]
         if not tensors:
             return value
-        out = _AllReduce.apply(self._collectives.batch, op, *tensors)  # type: ignore[no-untyped-call]  # autograd.Function.apply is untyped
+        reducer = _BatchReducer(self._collectives.batch)
+        out = AllReduce.apply(reducer, op, "all_reduce", *tensors)  # type: ignore[no-untyped-call]  # autograd.Function.apply is untyped
         reduced = [
             r if isinstance(leaf, torch.Tensor) else (r.item() if r.dim() == 0 else r)
             for leaf, r in zip(leaves, out)
@@ -371,7 +364,8 @@ class _MeshExtended(StrategyExtended):
         for leaf in flatten(value):
             tensor = _whole(torch.as_tensor(leaf))
             check_axis(tensor, axis, "all_gather")
-            gather = _AllGather.apply(self._collectives.batch, axis % tensor.dim(), tensor)  # type: ignore[no-untyped-call]  # autograd.Function.apply is untyped
+            reducer = _BatchReducer(self._collectives.batch)
+            gather = AllGather.apply(reducer, axis % tensor.dim(), tensor)  # type: ignore[no-untyped-call]  # autograd.Function.apply is untyped
             outs.append(gather)
         return pack_sequence_as(value, outs)
 
@@ -503,7 +497,7 @@ class _MeshExtended(StrategyExtended):
             self._no_sync.depth -= 1
 
 
-class ModelParallelStrategy(Strategy):
+class ModelParallelStrategy(WorkerIdentity, Strategy):
     """Model parallelism (Keras 3's ``ModelParallel``) over worker processes, on DTensor.
 
     The workers form the layout map's `DeviceMesh`. Modules built in the scope are laid
@@ -615,28 +609,6 @@ class ModelParallelStrategy(Strategy):
                 batch_axis,
                 backend,
             )
-
-    # -- the cluster (as the other multi-worker strategies) ---------------------------
-
-    @property
-    def cluster_resolver(self) -> ClusterResolver | None:
-        """The resolver this strategy was built from (None for a single worker)."""
-        return self._resolver
-
-    @property
-    def worker_index(self) -> int:
-        """This worker's index (its rank in the process group)."""
-        return self._resolver.rank if self._resolver is not None else 0
-
-    @property
-    def num_workers(self) -> int:
-        """How many worker processes train together (the mesh's size)."""
-        return self._resolver.world_size if self._resolver is not None else 1
-
-    @property
-    def is_chief(self) -> bool:
-        """Whether this worker saves checkpoints and writes summaries (rank 0)."""
-        return self.worker_index == 0
 
     # -- the mesh ---------------------------------------------------------------------
 
@@ -760,37 +732,24 @@ def _on_device(structure: Any, device: torch.device) -> Any:
     return pack_sequence_as(structure, moved)
 
 
-class _AllReduce(torch.autograd.Function):
-    """All-reduce over the replicas whose gradient is the all-reduce of the gradient."""
+class _BatchReducer:
+    """This worker's replica's collectives over the batch axis
+    (`_autograd_collectives.Reducer`)."""
 
-    @staticmethod
-    def forward(
-        ctx: Any, collectives: ProcessGroupCollectives, op: ReduceOp, *tensors: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.collectives, ctx.op = collectives, op
-        return tuple(collectives.all_reduce(list(tensors), op, name="all_reduce"))
+    __slots__ = ("_batch",)
 
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        out = ctx.collectives.all_reduce(list(grads), ctx.op, name="all_reduce (backward)")
-        return (None, None, *out)
+    def __init__(self, batch: ProcessGroupCollectives) -> None:
+        self._batch = batch
 
+    def all_reduce(
+        self, op: ReduceOp, tensors: Sequence[torch.Tensor], name: str
+    ) -> Sequence[torch.Tensor]:
+        return self._batch.all_reduce(list(tensors), op, name=name)
 
-class _AllGather(torch.autograd.Function):
-    """All-gather over the replicas whose gradient is this replica's slice of the sum."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, collectives: ProcessGroupCollectives, axis: int, tensor: torch.Tensor
-    ) -> torch.Tensor:
+    def all_gather(
+        self, tensor: torch.Tensor, axis: int, name: str
+    ) -> tuple[torch.Tensor, list[int], int]:
+        batch = self._batch
         size = torch.tensor([tensor.shape[axis]])
-        sizes = collectives.all_gather(size, 0, name="all_gather sizes").tolist()
-        ctx.collectives, ctx.axis, ctx.sizes = collectives, axis, sizes
-        ctx.rank = collectives.rank
-        return collectives.all_gather(tensor.detach(), axis, name="all_gather")
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        (summed,) = ctx.collectives.all_reduce([grad], ReduceOp.SUM, name="all_gather (backward)")
-        offset = sum(ctx.sizes[: ctx.rank])
-        return (None, None, summed.narrow(ctx.axis, offset, ctx.sizes[ctx.rank]))
+        sizes = batch.all_gather(size, 0, name=f"{name} sizes").tolist()
+        return batch.all_gather(tensor, axis, name=name), sizes, batch.rank

@@ -43,17 +43,8 @@ from distribute.cluster_resolver.base import ClusterResolver
 from distribute.cluster_resolver.select import resolve_cluster
 from distribute.errors import InvalidArgumentError
 from distribute.ps import _runtime
+from distribute.strategies import _ps_engine
 from distribute.strategies._devices import device_list
-from distribute.strategies._ps_engine import (
-    DEFAULT_TIMEOUT_SECONDS,
-    ParameterServerVariables,
-    PsCluster,
-    connect,
-    leave_cluster,
-    shutdown_at_exit,
-    start_task,
-    task_name,
-)
 from distribute.strategies._replicated import ReplicatedExtended
 from distribute.strategies.base import Strategy
 
@@ -87,7 +78,7 @@ class ParameterServerStrategyV1(Strategy):
         cluster_resolver: ClusterResolver | None = None,
         variable_partitioner: Callable[[Sequence[int], torch.dtype], list[int]] | None = None,
         devices: Sequence[str] | None = None,
-        timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+        timeout_seconds: float = _ps_engine.DEFAULT_TIMEOUT_SECONDS,
     ) -> None:
         resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
         if resolver is None:
@@ -95,7 +86,7 @@ class ParameterServerStrategyV1(Strategy):
                 "compat.v1.ParameterServerStrategy found no cluster: set TF_CONFIG with "
                 "'worker' and 'ps' jobs and this process's task, or pass a cluster_resolver"
             )
-        cluster = PsCluster(resolver)
+        cluster = _ps_engine.PsCluster(resolver)
         if cluster.has_chief:
             raise InvalidArgumentError(
                 "this cluster has a 'chief': that is the TF2 style, where the chief "
@@ -112,14 +103,16 @@ class ParameterServerStrategyV1(Strategy):
         self._cluster = cluster
         self._timeout = float(timeout_seconds)
         self._closed = False
-        name = task_name("worker", resolver.task_id)
+        name = _ps_engine.task_name("worker", resolver.task_id)
         # Writes outside `run` (a restore) reach the ps.
         runtime = _runtime.Runtime(name, self._timeout, writes_through_outside_run=True)
         runtime.strategy = self
         self._runtime = runtime
-        store = start_task(runtime, lambda: connect(resolver, cluster, name, self._timeout))
+        store = _ps_engine.start_task(
+            runtime, lambda: _ps_engine.connect(resolver, cluster, name, self._timeout)
+        )
         # Worker 0 sends the initial values; the others wait for them on the store.
-        self._variables = ParameterServerVariables(
+        self._variables = _ps_engine.ParameterServerVariables(
             cluster.ps,
             variable_partitioner,
             self._timeout,
@@ -135,7 +128,7 @@ class ParameterServerStrategyV1(Strategy):
                 lifecycle=self._variables,
             )
         )
-        atexit.register(shutdown_at_exit, weakref.ref(self))
+        atexit.register(_ps_engine.shutdown_at_exit, weakref.ref(self))
 
     def __reduce__(self) -> Any:
         raise InvalidArgumentError(
@@ -171,7 +164,9 @@ class ParameterServerStrategyV1(Strategy):
         if self._closed:
             return
         self._closed = True
-        leave_cluster(self._runtime, self._cluster.ps, _runtime.ps_worker_done, self._runtime.name)
+        _ps_engine.leave_cluster(
+            self._runtime, self._cluster.ps, _runtime.ps_worker_done, self._runtime.name
+        )
 
     def __repr__(self) -> str:
         return (
