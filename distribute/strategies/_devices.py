@@ -21,7 +21,14 @@ import torch
 
 from distribute.errors import InvalidArgumentError
 
-__all__ = ["available_devices", "default_devices", "device_list", "local_gpu", "parse_device"]
+__all__ = [
+    "available_devices",
+    "default_devices",
+    "device_list",
+    "local_gpu",
+    "parse_device",
+    "replica_devices",
+]
 
 
 def available_devices() -> list[str]:
@@ -131,3 +138,21 @@ def default_devices() -> list[str]:
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     return ["cpu"]
+
+
+def replica_devices(devices: Sequence[str | torch.device]) -> tuple[torch.device, ...]:
+    """The local replicas' devices, checked: at least one, all distinct.
+
+    Raises:
+        InvalidArgumentError: no device, or one named twice.
+    """
+    if not devices:
+        raise InvalidArgumentError("a strategy needs at least one device, got none")
+    parsed = [parse_device(d) for d in devices]
+    names = [n for n, _ in parsed]
+    if len(set(names)) != len(names):
+        raise InvalidArgumentError(
+            f"devices must be distinct, got {names}; name logical CPU replicas "
+            '"cpu:0", "cpu:1", ...'
+        )
+    return tuple(d for _, d in parsed)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -41,7 +42,7 @@ from distribute.errors import (
 )
 from distribute.strategies._buffer_sync import BufferSync
 from distribute.strategies._cross_replica import CrossReplicaReductions
-from distribute.strategies._devices import parse_device
+from distribute.strategies._devices import parse_device, replica_devices
 from distribute.strategies._engine_parts import (
     ModuleCapture,
     ScopeLifecycle,
@@ -80,7 +81,6 @@ __all__ = [
     "ReplicatedExtended",
     "Workers",
     "parse_device",
-    "replica_devices",
 ]
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
@@ -534,6 +534,16 @@ class ReplicatedExtended(StrategyExtended):
             return self._home.colocate_vars_with(colocate_with_variable)
         return self._colocate_same_devices(colocate_with_variable)
 
+    def variable_created_in_scope(self, v: Any) -> bool:
+        if not self._captures_modules and self._home is None:
+            # The default strategy, as TF's: every variable no strategy holds is its own.
+            return (
+                isinstance(v, torch.Tensor)
+                and not isinstance(v, DistributedVariable)
+                and getattr(v, "_ds_managed_by", None) is None
+            )
+        return super().variable_created_in_scope(v)
+
     def _update(
         self,
         var: DistributedVariable,
@@ -542,6 +552,10 @@ class ReplicatedExtended(StrategyExtended):
         kwargs: dict[str, Any],
         group: bool,
     ) -> Any:
+        if not isinstance(var, DistributedVariable):  # plain (default), or a shard (FSDP)
+            with torch.no_grad(), _replicated_if_dtensor(var):
+                result = fn(var, *args, **kwargs)
+            return result if group else (result,)
         results = []
         n = 1 if self._central else self._num_local
         with torch.no_grad():
@@ -743,24 +757,6 @@ class _ReplicaGroup:
         return self._engine._exchange(local, kind, payload, combine)
 
 
-def replica_devices(devices: Sequence[str | torch.device]) -> tuple[torch.device, ...]:
-    """The local replicas' devices, checked: at least one, all distinct.
-
-    Raises:
-        InvalidArgumentError: no device, or one named twice.
-    """
-    if not devices:
-        raise InvalidArgumentError("a strategy needs at least one device, got none")
-    parsed = [parse_device(d) for d in devices]
-    names = [n for n, _ in parsed]
-    if len(set(names)) != len(names):
-        raise InvalidArgumentError(
-            f"devices must be distinct, got {names}; name logical CPU replicas "
-            '"cpu:0", "cpu:1", ...'
-        )
-    return tuple(d for _, d in parsed)
-
-
 def _on_device(structure: Any, device: torch.device) -> Any:
     """``structure`` with every plain tensor not on ``device`` copied there (variables,
     which the strategy placed, are left alone)."""
@@ -788,3 +784,13 @@ def _gather_bytes(cross: CrossWorker, data: bytes) -> list[bytes]:
 def _shutdown_threads(holder: list[ReplicaThreads]) -> None:
     for threads in holder:
         threads.shutdown()
+
+
+def _replicated_if_dtensor(var: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+    """A DTensor variable (a shard) takes a plain tensor it meets as replicated."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # imported once something uses it
+    if dtensor is None or not isinstance(var, dtensor.DTensor):
+        return contextlib.nullcontext()
+    from distribute.strategies._tensor_parallel import plain_is_replicated
+
+    return plain_is_replicated()

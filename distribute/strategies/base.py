@@ -170,7 +170,10 @@ class StrategyExtended(abc.ABC):
         """Whether `v` is a variable created in this strategy's scope."""
         from distribute.variables import DistributedVariable
 
-        return isinstance(v, DistributedVariable) and v._ds_strategy is self._container_strategy
+        if isinstance(v, DistributedVariable):
+            return v._ds_strategy is self._container_strategy
+        # Variables an engine replaced by torch's own (FSDP's shards, laid-out DTensors).
+        return getattr(v, "_ds_managed_by", None) is self._container_strategy
 
     # -- the engine's seams: what the layers above read (docs/architecture.md) ----------
 

@@ -30,12 +30,11 @@ from distribute.errors import InvalidArgumentError
 from distribute.gradients.sharded import ShardedStepHandler
 from distribute.strategies import _cluster
 from distribute.strategies._cluster import WorkerIdentity
-from distribute.strategies._devices import device_list
+from distribute.strategies._devices import device_list, replica_devices
 from distribute.strategies._replicated import (
     DEFAULT_TIMEOUT_SECONDS,
     ReplicatedExtended,
     Workers,
-    replica_devices,
 )
 from distribute.strategies.base import Strategy
 

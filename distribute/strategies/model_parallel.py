@@ -295,9 +295,6 @@ class _MeshExtended(StrategyExtended):
                 raise
         super()._exit_scope()
 
-    def variable_created_in_scope(self, v: Any) -> bool:
-        return getattr(v, "_ds_managed_by", None) is self._container_strategy
-
     def _update(
         self,
         var: torch.Tensor,
@@ -306,7 +303,7 @@ class _MeshExtended(StrategyExtended):
         kwargs: dict[str, Any],
         group: bool,
     ) -> Any:
-        with torch.no_grad():
+        with torch.no_grad(), plain_is_replicated():
             result = fn(var, *args, **kwargs)
         return result if group else (result,)
 

@@ -29,12 +29,11 @@ from distribute.strategies._cluster import (
     join_cluster,
     worker_devices,
 )
-from distribute.strategies._devices import device_list
+from distribute.strategies._devices import device_list, replica_devices
 from distribute.strategies._replicated import (
     DEFAULT_TIMEOUT_SECONDS,
     ReplicatedExtended,
     Workers,
-    replica_devices,
 )
 from distribute.strategies.base import Strategy
 
