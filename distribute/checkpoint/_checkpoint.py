@@ -147,10 +147,14 @@ class Checkpoint:
             CollectiveTimeoutError: a worker never called save (it is named).
         """
         from torch.distributed.checkpoint.api import CheckpointException
-        from torch.distributed.checkpoint.filesystem import FileSystemWriter
         from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-        from distribute.checkpoint._storage import checksums_of, tensor_files, tensor_index
+        from distribute.checkpoint._storage import (
+            checksums_of,
+            indexing_writer,
+            tensor_files,
+            tensor_index,
+        )
 
         path = Path(file_path)
         workers = self._workers()
@@ -176,7 +180,7 @@ class Checkpoint:
             with _quiet_single_process():
                 metadata = dcp_save(
                     {k: v.contiguous() for k, v in tensors.items()},
-                    storage_writer=FileSystemWriter(partial, sync_files=False),
+                    storage_writer=indexing_writer(partial, sync_files=False),
                     no_dist=world_size == 1,
                 )
         except (Exception, CheckpointException) as e:  # torch's is a BaseException

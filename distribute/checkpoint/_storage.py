@@ -72,6 +72,27 @@ def object_of(key: str) -> str:
 # -- writing: the index of what DCP wrote, and its checksums ----------------------------------
 
 
+def indexing_writer(path: Path, **options: Any) -> Any:
+    """DCP's `FileSystemWriter` at ``path`` whose save returns the index of every record
+    (``storage_data``), on every torch the package supports: torch 2.9's ``finish``
+    fills a copy of the metadata, so its ``save`` returned none (every checkpoint
+    failed there); this writer fills the one ``save`` returns (and broadcasts).
+
+    Example::
+
+        metadata = dcp_save(tensors, storage_writer=indexing_writer(partial))
+    """
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    class _IndexingWriter(FileSystemWriter):
+        def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
+            if metadata.storage_data is None:
+                metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
+            super().finish(metadata=metadata, results=results)
+
+    return _IndexingWriter(path, **options)
+
+
 def tensor_index(metadata: Metadata) -> dict[str, Any]:
     """The JSON index of the tensors DCP wrote, from the metadata its save returns:
     for each key its dtype, shape and chunks, each chunk with its file and byte range.

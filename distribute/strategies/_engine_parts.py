@@ -73,6 +73,13 @@ class ModuleCapture(Protocol):
         """What the parameter becomes (None: it stays as it is)."""
         ...
 
+    def capture_buffer(
+        self, module: torch.nn.Module, name: str, buffer: torch.Tensor
+    ) -> torch.Tensor | None:
+        """What the buffer becomes (None: it stays as it is); `default_capture_buffer`
+        gives the strategy's mirrored variable."""
+        ...
+
     def capture_submodule(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
         """``child`` was attached to ``parent`` in the scope."""
         ...

@@ -21,7 +21,7 @@ import functools
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -133,13 +133,11 @@ class ReplicatedExtended(StrategyExtended):
         lifecycle: ScopeLifecycle | None = None,
         step_runner: StepRunner = StepRunner.IN_PROCESS,
     ) -> None:
-        super().__init__(container_strategy)
+        super().__init__(container_strategy, capture=capture, lifecycle=lifecycle)
         self._step_runner = step_runner
         self._static_batch_shapes = static_batch_shapes
         self._devices = replica_devices(devices)
-        self._capture = capture
         self._home = home
-        self._lifecycle = lifecycle
         # Where the replicas' values meet to be combined: the first replica's device,
         # or the host for XLA devices, whose pending (lazy) tensors cannot move from
         # one device to another (NOTE [host reduction] in collectives/xla.py).
@@ -181,7 +179,6 @@ class ReplicatedExtended(StrategyExtended):
         self._thread_lock = threading.Lock()
         self._run_owner: threading.Thread | None = None
         self.experimental_aggregate_gradients = True
-        self._no_sync_depth = 0
         # Variables registered since the lifecycle last heard of them (`placed`).
         self._newly_placed: list[DistributedVariable] = []
         group = _ReplicaGroup(self)
@@ -487,42 +484,13 @@ class ReplicatedExtended(StrategyExtended):
         for var, primary in zip(pending, primaries):
             var._write_all("assign", [primary] * self._num_local)
 
-    def _captures(self, module: torch.nn.Module, tensor: torch.Tensor) -> bool:
-        return self._capture is None or self._capture.captures(module, tensor)
+    def _scope_closing(self) -> None:
+        self._placement.place()
+        self._broadcast_initial_values()
 
-    def _capture_parameter(
-        self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
-    ) -> torch.nn.Parameter | None:
-        if self._capture is not None:
-            return self._capture.capture_parameter(module, name, param)
-        return super()._capture_parameter(module, name, param)
-
-    def _capture_submodule(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
-        if self._capture is not None:
-            self._capture.capture_submodule(parent, child)
-
-    def _enter_scope(self) -> None:
-        super()._enter_scope()
-        if self._lifecycle is not None and context._scope_depth(self._container_strategy) == 1:
-            self._lifecycle.scope_entered()
-
-    def _exit_scope(self) -> None:
-        outermost = context._scope_depth(self._container_strategy) == 1
-        if outermost and self._lifecycle is not None:
-            try:
-                self._lifecycle.scope_leaving()
-            except BaseException:
-                context._exit_scope()  # leave the scope, and nothing more, on the way out
-                raise
-        try:
-            if outermost:
-                self._placement.place()
-                self._broadcast_initial_values()
-        finally:
-            super()._exit_scope()
-        if outermost and self._lifecycle is not None:
+    def _scope_closed(self) -> None:
+        if self._lifecycle is not None:
             self._hand_placed(self._lifecycle)
-            self._lifecycle.scope_left()
 
     def _skip_grads_in_this_replica(self) -> bool:
         return self._step_handler.hides_gradients()
@@ -672,23 +640,6 @@ class ReplicatedExtended(StrategyExtended):
         return PerReplica(results)
 
     # -- gradients ----------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Skips gradient communication during backward passes inside the block.
-
-        Gradients accumulate locally; the next optimizer step outside the block
-        aggregates everything accumulated so far.
-        """
-        self._no_sync_depth += 1
-        try:
-            if self._lifecycle is None:
-                yield
-            else:
-                with self._lifecycle.no_sync():
-                    yield
-        finally:
-            self._no_sync_depth -= 1
 
 
 class _ReplicaGroup:

@@ -170,6 +170,14 @@ class ShardedModules:
         self.record(module, name, param)
         return None
 
+    def capture_buffer(
+        self, module: torch.nn.Module, name: str, buffer: torch.Tensor
+    ) -> torch.Tensor | None:
+        """A buffer stays the engine's mirrored variable (FSDP shards parameters only)."""
+        from distribute.variables import capture_buffer
+
+        return capture_buffer(self._strategy_ref(), module, name, buffer)  # type: ignore[arg-type]  # alive while its scope is
+
     def capture_submodule(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
         self.record_child(parent, child)
 

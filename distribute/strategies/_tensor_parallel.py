@@ -48,9 +48,10 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import sys
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +69,7 @@ __all__ = [
     "GlobalView",
     "LaidOutModules",
     "MeshPlan",
+    "NoSyncDepth",
     "Style",
     "choose_styles",
     "plain_is_replicated",
@@ -285,8 +287,21 @@ def _grad_sums_here(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any
     return (fresh, *args[1:])
 
 
+class NoSyncDepth:
+    """How deep the strategy is inside ``no_sync()`` (read by its gradient sums)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    def active(self) -> bool:
+        return self.depth > 0
+
+
 class LaidOutModules:
-    """The modules a scope built, and their layout (NOTE [model parallel layout]).
+    """The modules a scope built, and their layout (NOTE [model parallel layout]): the
+    engine's `ModuleCapture` and `ScopeLifecycle` (`_engine_parts.py`). Parameters and
+    buffers registered in the scope stay plain and are recorded; the roots are laid out
+    when the outermost scope is left or at the next `run`.
 
     Args:
         strategy: the strategy whose variables these become.
@@ -294,6 +309,8 @@ class LaidOutModules:
         plan: the mesh and its parts.
         world: collectives over every worker (the chief's values).
         fully_shard: FSDP2 shards along the batch axis too.
+        no_sync: the ``no_sync()`` depth, which `no_sync` keeps.
+        track: told the trainable parameters each layout adds (the batch-axis sums).
     """
 
     def __init__(
@@ -303,7 +320,11 @@ class LaidOutModules:
         plan: MeshPlan,
         world: ProcessGroupCollectives,
         fully_shard: bool,
+        no_sync: NoSyncDepth,
+        track: Callable[[list[torch.Tensor]], None] | None = None,
     ) -> None:
+        self._no_sync = no_sync
+        self._track = track
         self._strategy_ref = weakref.ref(strategy)
         self._layout_map = layout_map
         self._plan = plan
@@ -319,6 +340,53 @@ class LaidOutModules:
     def sharded_by_fsdp(self) -> bool:
         """Whether FSDP2 shards (and sums) along the batch axis."""
         return self._fully_shard
+
+    def in_no_sync(self) -> bool:
+        """Whether the strategy is inside ``no_sync()``."""
+        return self._no_sync.active()
+
+    # -- the engine's parts: capture (`ModuleCapture`) and lifecycle (`ScopeLifecycle`) ---
+
+    def captures(self, module: torch.nn.Module, tensor: torch.Tensor) -> bool:
+        """Not our own layout, torch's styles or FSDP's (un)sharded parameters (neither
+        module is imported before something of this strategy has used it)."""
+        dtensor = sys.modules.get("torch.distributed.tensor")
+        if dtensor is not None and isinstance(tensor, dtensor.DTensor):
+            return False
+        fsdp = sys.modules.get("torch.distributed.fsdp")
+        return fsdp is None or not isinstance(module, fsdp.FSDPModule)
+
+    def capture_parameter(
+        self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
+    ) -> torch.nn.Parameter | None:
+        self.record(module, param)
+        return None  # a plain parameter until the module is laid out
+
+    def capture_buffer(
+        self, module: torch.nn.Module, name: str, buffer: torch.Tensor
+    ) -> torch.Tensor | None:
+        self.record(module)
+        return None
+
+    def capture_submodule(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
+        self.record_child(parent, child)
+
+    def scope_entered(self) -> None:
+        self.optimizers.start()  # NOTE [optimizers built in the scope]
+
+    def scope_leaving(self) -> None:
+        self.optimizers.stop()
+        self.lay_out_pending()
+
+    def scope_left(self) -> None:
+        """Nothing: the roots were laid out as the scope was left."""
+
+    def before_run(self) -> None:
+        self.optimizers.stop()
+        self.lay_out_pending()
+
+    def placed(self, variables: list[Any]) -> None:
+        """Nothing: this engine places no variables of its own."""
 
     # -- recording in the scope ------------------------------------------------------------
 
@@ -344,8 +412,13 @@ class LaidOutModules:
     def lay_out_pending(self) -> None:
         """Lays out every root built since the last call, in creation order (the same on
         every worker)."""
+        if not self._recorder.pending:
+            return
+        known = len(self.trainable)
         for root in self._recorder.take_roots():
             self._lay_out(root)
+        if self._track is not None:
+            self._track(self.trainable[known:])
 
     def _lay_out(self, root: torch.nn.Module) -> None:
         plan = self._plan
@@ -471,9 +544,16 @@ class LaidOutModules:
         self._recorder.repoint(replaced)
         self._recorder.keep(root)
 
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        """FSDP's accumulation without reduce-scatters (``fully_shard=True``; blocks nest)."""
-        return self._recorder.no_sync(_set_gradient_sync)
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradients stay local (the batch-axis sums wait; FSDP's accumulation without
+        reduce-scatters under ``fully_shard=True``); blocks nest."""
+        self._no_sync.depth += 1
+        try:
+            with self._recorder.no_sync(_set_gradient_sync):
+                yield
+        finally:
+            self._no_sync.depth -= 1
 
 
 def _set_gradient_sync(root: torch.nn.Module, sync: bool) -> None:

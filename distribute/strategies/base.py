@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from distribute.context import ReplicaContext
     from distribute.data.options import InputContext, InputOptions, ValueContext
     from distribute.gradients.base import StepHandler
+    from distribute.strategies._engine_parts import ModuleCapture, ScopeLifecycle
     from distribute.variables import DistributedVariable
 
 __all__ = ["Strategy", "StrategyExtended", "StrategyScope"]
@@ -60,8 +61,21 @@ class StrategyExtended(abc.ABC):
 
     _captures_modules: bool = False
 
-    def __init__(self, container_strategy: Strategy) -> None:
+    def __init__(
+        self,
+        container_strategy: Strategy,
+        *,
+        capture: ModuleCapture | None = None,
+        lifecycle: ScopeLifecycle | None = None,
+    ) -> None:
         self._container_strategy = container_strategy
+        #: What the scope makes of modules' parameters, buffers and submodules (None:
+        #: the strategy's mirrored variables) and what happens as the outermost scope is
+        #: entered and left, before `run` and in `no_sync()` (None: nothing more):
+        #: the parts an engine is composed of (`_engine_parts.py`).
+        self._capture = capture
+        self._lifecycle = lifecycle
+        self._no_sync_depth = 0
 
     # -- public surface (API.md) --------------------------------------------------
 
@@ -235,15 +249,19 @@ class StrategyExtended(abc.ABC):
         where it is until then (NOTE [placement] in strategies/_placement.py).
         """
 
+    # The scope's hooks (template methods): the engine's capture part decides.
+
     def _captures(self, module: torch.nn.Module, tensor: torch.Tensor) -> bool:
         """Whether a parameter or buffer ``module`` registers in the scope is this
         strategy's to capture (see `_capture_parameter`)."""
-        return True
+        return self._capture is None or self._capture.captures(module, tensor)
 
     def _capture_parameter(
         self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
     ) -> torch.nn.Parameter | None:
         """What a parameter registered in the scope becomes (None: itself)."""
+        if self._capture is not None:
+            return self._capture.capture_parameter(module, name, param)
         from distribute.variables import capture_parameter
 
         return capture_parameter(self._container_strategy, module, name, param)
@@ -252,13 +270,16 @@ class StrategyExtended(abc.ABC):
         self, module: torch.nn.Module, name: str, buffer: torch.Tensor
     ) -> torch.Tensor | None:
         """What a buffer registered in the scope becomes (None: itself)."""
+        if self._capture is not None:
+            return self._capture.capture_buffer(module, name, buffer)
         from distribute.variables import capture_buffer
 
         return capture_buffer(self._container_strategy, module, name, buffer)
 
     def _capture_submodule(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
-        """``child`` was attached to ``parent`` in the scope (nothing to do by default)."""
-        return None
+        """``child`` was attached to ``parent`` in the scope."""
+        if self._capture is not None:
+            self._capture.capture_submodule(parent, child)
 
     def _place_variables(self, only: DistributedVariable | None = None) -> None:
         """Places variables kept where they were created (see `_create_variable`)."""
@@ -341,10 +362,65 @@ class StrategyExtended(abc.ABC):
         """The engine's; see `ReplicatedExtended`."""
 
     def _enter_scope(self) -> None:
+        """Pushes the scope; the lifecycle hears of the outermost one."""
         context._enter_scope(self._container_strategy)
+        if self._lifecycle is not None and context._scope_depth(self._container_strategy) == 1:
+            self._lifecycle.scope_entered()
 
     def _exit_scope(self) -> None:
-        context._exit_scope()
+        """Leaves the scope in a fixed order (NOTE in docs/architecture.md, "Composing the
+        engine"): the lifecycle's `scope_leaving`, the engine's `_scope_closing`, the
+        context popped, the engine's `_scope_closed`, the lifecycle's `scope_left`; an
+        error on the way still pops the scope."""
+        outermost = context._scope_depth(self._container_strategy) == 1
+        if outermost and self._lifecycle is not None:
+            try:
+                self._lifecycle.scope_leaving()
+            except BaseException:
+                context._exit_scope()  # leave the scope, and nothing more, on the way out
+                raise
+        try:
+            if outermost:
+                self._scope_closing()
+        finally:
+            context._exit_scope()
+        if outermost:
+            self._scope_closed()
+            if self._lifecycle is not None:
+                self._lifecycle.scope_left()
+
+    def _scope_closing(self) -> None:
+        """The outermost scope is being left, still pushed (the engine places and
+        broadcasts its variables here)."""
+        return None
+
+    def _scope_closed(self) -> None:
+        """The outermost scope was popped, before the lifecycle's `scope_left`."""
+        return None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skips gradient communication during backward passes inside the block.
+
+        Gradients accumulate locally; the next optimizer step (or backward pass, where
+        the engine sums in backward) outside the block aggregates everything
+        accumulated so far. Blocks nest.
+
+        Example::
+
+            with strategy.extended.no_sync():
+                strategy.run(accumulate, args=(first_half,))
+            strategy.run(accumulate_and_step, args=(second_half,))
+        """
+        self._no_sync_depth += 1
+        try:
+            if self._lifecycle is None:
+                yield
+            else:
+                with self._lifecycle.no_sync():
+                    yield
+        finally:
+            self._no_sync_depth -= 1
 
 
 class StrategyScope:

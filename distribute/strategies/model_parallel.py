@@ -34,7 +34,7 @@ import datetime
 import logging
 import sys
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,7 +60,12 @@ from distribute.strategies._cluster import (
 from distribute.strategies._devices import parse_device
 from distribute.strategies._layout import DeviceMesh, LayoutMap
 from distribute.strategies._replicated import DEFAULT_TIMEOUT_SECONDS
-from distribute.strategies._tensor_parallel import LaidOutModules, MeshPlan, plain_is_replicated
+from distribute.strategies._tensor_parallel import (
+    LaidOutModules,
+    MeshPlan,
+    NoSyncDepth,
+    plain_is_replicated,
+)
 from distribute.strategies.base import Strategy, StrategyExtended
 from distribute.values import (
     DistributedValues,
@@ -110,16 +115,6 @@ class _Collectives:
         return [flat[offsets[i] : offsets[i + 1]] for i in range(len(sizes))]
 
 
-class _NoSync:
-    """How deep the strategy is inside ``no_sync()`` (shared by its engine and its sums)."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-
-    def active(self) -> bool:
-        return self.depth > 0
-
-
 class _PeersDrawAlike:
     """A distributed dataset read by several workers of one replica (a batch axis of
     size 1), which must see the same rows: every epoch starts from the chief's random
@@ -157,7 +152,6 @@ class _MeshExtended(StrategyExtended):
         collectives: over every worker, and over this worker's batch group.
         layouts: the modules the scope builds, laid out on the mesh.
         gradients: the batch-axis sums (None under FSDP).
-        no_sync: the ``no_sync()`` depth, shared with the gradients.
     """
 
     _captures_modules = True
@@ -169,20 +163,19 @@ class _MeshExtended(StrategyExtended):
         collectives: _Collectives,
         layouts: LaidOutModules,
         gradients: BatchAxisGradients | None,
-        no_sync: _NoSync,
     ) -> None:
-        super().__init__(container_strategy)
+        # The layout is the scope's capture and lifecycle (NOTE [model parallel layout]).
+        super().__init__(container_strategy, capture=layouts, lifecycle=layouts)
         self._plan = plan
         self._collectives = collectives
         self._layouts = layouts
         self._gradients = gradients
-        self._no_sync = no_sync
         self._replica_id = int(plan.batch_mesh.get_local_rank())
         world = collectives.world
         #: The workers' collectives, for checkpoints (None for a single worker).
         self._cross_worker = world if world.world_size > 1 else None
         self._step_handler = MeshStepHandler(
-            no_sync.active, lambda: gradients is not None and gradients.unsummed
+            layouts.in_no_sync, lambda: gradients is not None and gradients.unsummed
         )
 
     # -- identity ---------------------------------------------------------------------
@@ -223,31 +216,7 @@ class _MeshExtended(StrategyExtended):
     def step_handler(self) -> MeshStepHandler:
         return self._step_handler
 
-    # -- the scope --------------------------------------------------------------------
-
-    def _captures(self, module: torch.nn.Module, tensor: torch.Tensor) -> bool:
-        # Not our own layout, torch's styles or FSDP's (un)sharded parameters (neither
-        # module is imported before something of this strategy has used it).
-        dtensor = sys.modules.get("torch.distributed.tensor")
-        if dtensor is not None and isinstance(tensor, dtensor.DTensor):
-            return False
-        fsdp = sys.modules.get("torch.distributed.fsdp")
-        return fsdp is None or not isinstance(module, fsdp.FSDPModule)
-
-    def _capture_parameter(
-        self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
-    ) -> torch.nn.Parameter | None:
-        self._layouts.record(module, param)
-        return None  # a plain parameter until the module is laid out
-
-    def _capture_buffer(
-        self, module: torch.nn.Module, name: str, buffer: torch.Tensor
-    ) -> torch.Tensor | None:
-        self._layouts.record(module)
-        return None
-
-    def _capture_submodule(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
-        self._layouts.record_child(parent, child)
+    # -- the scope: the layout's (`LaidOutModules`: capture and lifecycle) --------------
 
     def _create_variable(self, value: torch.Tensor, spec: VariableSpec) -> DistributedVariable:
         if spec.synchronization is VariableSynchronization.ON_READ and not (
@@ -272,29 +241,6 @@ class _MeshExtended(StrategyExtended):
             "layout map can place it"
         )
 
-    def _lay_out_pending(self) -> None:
-        if not self._layouts.pending:
-            return
-        known = len(self._layouts.trainable)
-        self._layouts.lay_out_pending()
-        if self._gradients is not None:
-            self._gradients.track(self._layouts.trainable[known:])
-
-    def _enter_scope(self) -> None:
-        super()._enter_scope()
-        if context._scope_depth(self._container_strategy) == 1:
-            self._layouts.optimizers.start()  # NOTE [optimizers built in the scope]
-
-    def _exit_scope(self) -> None:
-        if context._scope_depth(self._container_strategy) == 1:
-            try:
-                self._layouts.optimizers.stop()
-                self._lay_out_pending()
-            except BaseException:
-                context._exit_scope()  # leave the scope, and nothing more, on the way out
-                raise
-        super()._exit_scope()
-
     def _update(
         self,
         var: torch.Tensor,
@@ -312,8 +258,7 @@ class _MeshExtended(StrategyExtended):
     def _run_replicas(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        self._layouts.optimizers.stop()
-        self._lay_out_pending()
+        self._layouts.before_run()
         strategy = self._container_strategy
         replica_ctx = ReplicaContext(strategy, self._replica_id, 0)
         args, kwargs = select_replica(0, (args, kwargs), 1)
@@ -480,19 +425,6 @@ class _MeshExtended(StrategyExtended):
 
         return PerReplica([value_fn(ValueContext(self._replica_id, self._plan.batch_size))])
 
-    # -- gradients --------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally, unsummed; the next
-        backward pass outside sums everything accumulated. Step only after it."""
-        self._no_sync.depth += 1
-        try:
-            with self._layouts.no_sync():
-                yield
-        finally:
-            self._no_sync.depth -= 1
-
 
 class ModelParallelStrategy(WorkerIdentity, Strategy):
     """Model parallelism (Keras 3's ``ModelParallel``) over worker processes, on DTensor.
@@ -587,13 +519,21 @@ class ModelParallelStrategy(WorkerIdentity, Strategy):
             ),
             all(plan.mesh.get_local_rank(a) == 0 for a in plan.model_axes),
         )
-        layouts = LaidOutModules(self, layout_map, plan, world, fully_shard)
-        no_sync = _NoSync()
+        no_sync = NoSyncDepth()
         gradients = None
-        if not layouts.sharded_by_fsdp:
+        if not (fully_shard and plan.batch_size > 1):  # else FSDP sums along the batch axis
             batch = collectives.batch if plan.batch_size > 1 else None
             gradients = BatchAxisGradients(batch, no_sync.active)
-        super().__init__(_MeshExtended(self, plan, collectives, layouts, gradients, no_sync))
+        layouts = LaidOutModules(
+            self,
+            layout_map,
+            plan,
+            world,
+            fully_shard,
+            no_sync,
+            track=gradients.track if gradients is not None else None,
+        )
+        super().__init__(_MeshExtended(self, plan, collectives, layouts, gradients))
         self._collectives = collectives
         self._plan = plan
         self._fully_shard = fully_shard

@@ -58,7 +58,7 @@ from distribute.strategies._module_recorder import ModuleRecorder
 from distribute.strategies._replicated import ReplicatedExtended
 from distribute.strategies.base import Strategy
 from distribute.tpu import DeviceAssignment, initialize_tpu_system
-from distribute.variables import DistributedVariable, capture_parameter
+from distribute.variables import DistributedVariable, capture_buffer, capture_parameter
 
 __all__ = ["TPUStrategy"]
 
@@ -181,6 +181,11 @@ class _GspmdLayout:
         self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
     ) -> torch.nn.Parameter | None:
         return capture_parameter(self._strategy, module, name, param)
+
+    def capture_buffer(
+        self, module: torch.nn.Module, name: str, buffer: torch.Tensor
+    ) -> torch.Tensor | None:
+        return capture_buffer(self._strategy, module, name, buffer)
 
     def capture_submodule(self, parent: torch.nn.Module, child: torch.nn.Module) -> None:
         self._recorder.record_child(parent, child)

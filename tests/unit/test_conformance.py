@@ -52,14 +52,17 @@ def strategy(request: pytest.FixtureRequest) -> ds.Strategy:
     return ENGINES[request.param]()
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
+def _whole(t: Any) -> torch.Tensor:
+    """A value's one logical tensor, plain, on the host (a DTensor's whole value, a
+    per-replica value's first component)."""
     from torch.distributed.tensor import DTensor
 
-    if isinstance(t, DTensor):
-        t = t.full_tensor()
     if isinstance(t, ds.DistributedValues):
         t = t.values[0]
-    return torch.Tensor(t.detach().cpu()).clone() if type(t) is not torch.Tensor else t.clone()
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    host = t.detach().cpu()
+    return (host if type(host) is torch.Tensor else torch.Tensor(host)).clone()
 
 
 def _net() -> torch.nn.Module:
