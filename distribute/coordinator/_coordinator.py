@@ -130,7 +130,7 @@ class ClusterCoordinator:
             raise InvalidArgumentError(
                 f"ClusterCoordinator needs a ParameterServerStrategy, got {type(strategy).__name__}"
             )
-        cluster = strategy.attach_coordinator(self)
+        cluster = strategy.attach_coordinator(self, _Events(self))
         self._strategy = strategy
         self._runtime = cluster.runtime
         self._publish = cluster.publish
@@ -272,21 +272,16 @@ class ClusterCoordinator:
                 return existing
         return ClusterCoordinator(strategy)
 
-    # -- what the strategy tells it (`ClusterEvents`) -------------------------------
+    # -- what the strategy tells it (`ClusterEvents`, through `_Events`) -------------
 
-    def worker_replaced(self, worker: str) -> None:
+    def _worker_replaced(self, worker: str) -> None:
         """`worker`'s process died and a new one is joining (NOTE [worker
         restarts]): calls still out to the old one are stale."""
         with self._cond:
             self._generation[worker] += 1
         self._lose(worker, "its process was replaced by a restarted one")
 
-    def worker_rejoined(self, worker: str) -> None:
-        """`worker`'s restarted process joined: rebuilds on it the per-worker objects
-        the chief holds (iterators start over), then sends it closures."""
-        self._readmit(worker)
-
-    def cluster_stopping(self) -> None:
+    def _cluster_stopping(self) -> None:
         """The cluster is shutting down: queued closures are cancelled."""
         with self._cond:
             self._stopping = True
@@ -480,9 +475,10 @@ class ClusterCoordinator:
         )
 
     def _readmit(self, worker: str) -> None:
-        """Rebuilds on `worker`'s new process the per-worker objects the chief
-        holds, then sends it closures. One whose ``dataset_fn`` fails there is
-        logged, and the worker is taken back (closures that use it fail there)."""
+        """`worker`'s restarted process joined: rebuilds there the per-worker
+        objects the chief holds (iterators start over), then sends it closures. One
+        whose ``dataset_fn`` fails there is logged, and the worker is taken back
+        (closures that use it fail there)."""
         runtime = self._runtime
         generation = self._generation[worker]
         with self._resources_lock:
@@ -687,6 +683,23 @@ class ClusterCoordinator:
             "a ClusterCoordinator cannot be sent to the workers (a scheduled function "
             "captured it?); it lives on the chief: schedule from the chief only"
         )
+
+
+class _Events:
+    """A coordinator's `ClusterEvents` (strategies/parameter_server.py): what its
+    strategy tells it about the cluster."""
+
+    def __init__(self, coordinator: ClusterCoordinator) -> None:
+        self._coordinator = coordinator
+
+    def worker_replaced(self, worker: str) -> None:
+        self._coordinator._worker_replaced(worker)
+
+    def worker_rejoined(self, worker: str) -> None:
+        self._coordinator._readmit(worker)
+
+    def cluster_stopping(self) -> None:
+        self._coordinator._cluster_stopping()
 
 
 _SHUT_DOWN = "the cluster was shut down before this closure ran"

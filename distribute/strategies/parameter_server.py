@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 class ClusterEvents(Protocol):
     """What a `ParameterServerStrategy` tells its coordinator about the cluster
-    (`ds.coordinator.ClusterCoordinator` implements it)."""
+    (`ds.coordinator.ClusterCoordinator` passes one to `attach_coordinator`)."""
 
     def worker_replaced(self, worker: str) -> None:
         """`worker`'s process died and a new one is joining: calls still out to the
@@ -132,7 +132,8 @@ class ParameterServerStrategy(Strategy):
         self._resolver = cluster_resolver
         self._cluster = PsCluster(cluster_resolver)
         self._timeout = float(timeout_seconds)
-        self._coordinator: ClusterEvents | None = None
+        self._coordinator: object | None = None
+        self._events: ClusterEvents | None = None  # the coordinator's
         self._closed = False
         # On a worker task (the strategy closures see), modules and variables built
         # inside a closure stay local to it: only the chief creates variables on the ps.
@@ -197,13 +198,13 @@ class ParameterServerStrategy(Strategy):
         return 1
 
     @property
-    def coordinator(self) -> ClusterEvents | None:
+    def coordinator(self) -> object | None:
         """The `ds.coordinator.ClusterCoordinator` attached to this strategy, if any."""
         return self._coordinator
 
-    def attach_coordinator(self, events: ClusterEvents) -> CoordinatedCluster:
-        """Attaches the strategy's one coordinator; called by
-        `ds.coordinator.ClusterCoordinator` (build one of those instead).
+    def attach_coordinator(self, coordinator: object, events: ClusterEvents) -> CoordinatedCluster:
+        """Attaches the strategy's one `coordinator`, told about the cluster through
+        `events`; called by `ds.coordinator.ClusterCoordinator` (build one of those).
 
         Returns:
             What the coordinator uses of the cluster.
@@ -222,7 +223,7 @@ class ParameterServerStrategy(Strategy):
                 "this ParameterServerStrategy already has a ClusterCoordinator; use that one "
                 "(there is one coordinator per strategy)"
             )
-        self._coordinator = events
+        self._coordinator, self._events = coordinator, events
         return CoordinatedCluster(
             runtime=self._runtime,
             workers=tuple(self._cluster.workers),
@@ -268,8 +269,8 @@ class ParameterServerStrategy(Strategy):
                 "checkpoint",
             )
             return
-        if self._coordinator is not None:
-            self._coordinator.worker_replaced(task)
+        if self._events is not None:
+            self._events.worker_replaced(task)
         # A joining process calls every member of rpc's list: every dead worker
         # leaves it (the coordinator finds the others dead by its own calls).
         for other in self._cluster.workers:
@@ -286,8 +287,8 @@ class ParameterServerStrategy(Strategy):
         if self._closed or self._runtime.name != "chief":
             return
         self._closed = True
-        if self._coordinator is not None:
-            self._coordinator.cluster_stopping()
+        if self._events is not None:
+            self._events.cluster_stopping()
         runtime = self._runtime
         leave_cluster(runtime, [*self._cluster.workers, *self._cluster.ps], _runtime.stop_task)
         self._store = None  # the rendezvous store's port is free again
@@ -330,8 +331,8 @@ class _Host:
     def worker_rejoined(self, worker: str) -> None:
         """`worker`'s restarted process has joined: the coordinator takes it back."""
         strategy = self._strategy
-        if strategy._coordinator is not None and not strategy._closed:
-            strategy._coordinator.worker_rejoined(worker)
+        if strategy._events is not None and not strategy._closed:
+            strategy._events.worker_rejoined(worker)
 
 
 # NOTE [worker restarts]

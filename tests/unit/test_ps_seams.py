@@ -11,7 +11,7 @@ import cloudpickle
 from cloudpickle import cloudpickle as cloudpickle_impl
 
 import distribute as ds
-from distribute.coordinator._coordinator import ClusterCoordinator
+from distribute.coordinator._coordinator import _Events
 from distribute.ps._runtime import TaskHost
 from distribute.strategies.parameter_server import ClusterEvents, _Host
 
@@ -56,7 +56,7 @@ def test_the_parameter_server_fit_writes_no_private_attribute_of_the_model() -> 
 
 
 def test_the_declared_protocols_are_what_the_strategy_and_the_coordinator_implement() -> None:
-    for protocol, implementation in ((TaskHost, _Host), (ClusterEvents, ClusterCoordinator)):
+    for protocol, implementation in ((TaskHost, _Host), (ClusterEvents, _Events)):
         members = [
             name
             for name, value in vars(protocol).items()
