@@ -10,13 +10,9 @@ Example::
 
 from __future__ import annotations
 
-from distribute.coordinator._coordinator import (
-    ClosureCancelledError,
-    ClusterCoordinator,
-    PerWorkerValues,
-    RemoteValue,
-    WorkerLostError,
-)
+from distribute.coordinator._coordinator import ClusterCoordinator
+from distribute.coordinator._failures import ClosureCancelledError, RemoteError, WorkerLostError
+from distribute.coordinator._values import PerWorkerValues, RemoteValue
 from distribute.coordinator.local import LocalCluster
 from distribute.ps._runtime import PsUnavailableError
 
@@ -26,6 +22,7 @@ __all__ = [
     "LocalCluster",
     "PerWorkerValues",
     "PsUnavailableError",
+    "RemoteError",
     "RemoteValue",
     "WorkerLostError",
 ]

@@ -8,22 +8,29 @@ element). Sending happens in the thread that schedules, and a result is handled
 in the transport's thread that receives it, so no thread sits between a closure
 and its worker.
 
-* A closure that raises: its `RemoteValue` holds the error; the error is raised
-  by the next `schedule`, `join` or `done`, and every queued closure is cancelled.
-* A worker that dies (its call fails: the transport notices a dead peer at
-  once) is dropped and its closure goes back to the front of the queue: another
-  worker runs it (at-least-once). Restarted, it rejoins (NOTE [worker restarts] in
-  strategies/parameter_server.py): the per-worker datasets and iterators still held
-  are rebuilt on it, and it gets closures again. With no worker left, the queue
-  waits the strategy's timeout for one to come back, then fails.
+* A closure that raises: its `RemoteValue` holds the error (rebuilt on the
+  chief, NOTE [errors from workers] in `_failures.py`); the error is raised by the
+  next `schedule`, `join` or `done`, and every queued closure is cancelled. It is
+  raised once: closures scheduled before it was raised and still running then
+  keep their own errors in their `RemoteValue`s, so the next call starts clean.
+* A worker is lost when its connection closed (the transport notices a dead peer
+  at once) or it does not answer a ping within the strategy's timeout after a
+  call failed; the loss is logged with the worker's name and the cause. It is
+  dropped and its closure goes back to the front of the queue: another worker
+  runs it (at-least-once). A user's error never drops a worker. Restarted, it
+  rejoins (NOTE [worker restarts] in strategies/parameter_server.py): the
+  per-worker datasets and iterators still held are rebuilt on it, and it gets
+  closures again. With no worker left, the queue waits the strategy's timeout
+  for one to come back, then fails.
 * A ps that does not answer fails the closure with `PsUnavailableError`, which
   stops the queue: training cannot go on without its variables. A dead ps fails
   the worker's call to it at once; a stopped one (its connections open) is found
   when the closure's call times out with its worker alive: the chief pings the ps
   tasks and names the one that does not answer. Workers take the chief's
   timeout with each closure, so every message names the strategy's.
-* Every wait is bounded: a closure by the strategy's timeout (then it counts as
-  its worker's death), `RemoteValue.fetch` by the closures' fate.
+* Every wait is bounded: a closure by the strategy's timeout (then its worker is
+  pinged, and lost if it does not answer), `RemoteValue.fetch` by the closures'
+  fate.
 
 Example::
 
@@ -38,11 +45,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
-import inspect
 import logging
-import sys
 import threading
-import types
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
@@ -52,183 +56,34 @@ from typing import Any
 import cloudpickle
 
 from distribute import values as nest
-from distribute.errors import DistributeError, InvalidArgumentError, WorkerError
+from distribute.coordinator._failures import (
+    ClosureCancelledError,
+    RemoteError,
+    WorkerLostError,
+    rebuilt,
+)
+from distribute.coordinator._values import (
+    PerWorkerDataset,
+    PerWorkerIterators,
+    PerWorkerValues,
+    RemoteValue,
+    Resource,
+    WithInputContext,
+    takes_one_argument,
+)
+from distribute.errors import InvalidArgumentError, WorkerError
 from distribute.ps import _runtime
 
 __all__ = [
     "ClosureCancelledError",
     "ClusterCoordinator",
     "PerWorkerValues",
+    "RemoteError",
     "RemoteValue",
     "WorkerLostError",
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class ClosureCancelledError(DistributeError, RuntimeError):
-    """A closure was cancelled because an earlier one failed (or the cluster shut
-    down before it ran); its `RemoteValue` raises this.
-
-    Example::
-
-        first = coordinator.schedule(fails)         # raises ValueError on a worker
-        queued = coordinator.schedule(step)
-        try:
-            coordinator.join()                      # the ValueError
-        except ValueError:
-            pass
-        queued.fetch()                              # ClosureCancelledError
-    """
-
-
-class WorkerLostError(DistributeError, ConnectionError):
-    """Every worker died and none came back within the strategy's timeout: nothing is
-    left to run closures.
-
-    Example::
-
-        try:
-            coordinator.join()
-        except ds.coordinator.WorkerLostError:
-            ...   # restart worker tasks (they rejoin), or the cluster from a checkpoint
-    """
-
-
-class RemoteValue:
-    """The future result of a scheduled closure.
-
-    Example::
-
-        value = coordinator.schedule(lambda: 41 + 1)
-        value.fetch()    # 42 (waits for the closure)
-    """
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-    def _set(self, value: Any = None, error: BaseException | None = None) -> None:
-        if self._done.is_set():
-            return
-        self._value, self._error = value, error
-        self._done.set()
-
-    def fetch(self) -> Any:
-        """Waits for the closure and returns its result (raises its error)."""
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-    def get(self) -> Any:
-        """Same as `fetch`."""
-        return self.fetch()
-
-    def __repr__(self) -> str:
-        state = "done" if self._done.is_set() else "pending"
-        return f"RemoteValue({state})"
-
-
-class PerWorkerValues:
-    """One value per worker (a per-worker dataset or iterator); a closure given one
-    as an argument gets the element of the worker that runs it.
-
-    Example::
-
-        iterators = iter(coordinator.create_per_worker_dataset(dataset_fn))
-        coordinator.schedule(step, args=(iterators,))
-    """
-
-    def __init__(self, values: Sequence[Any]) -> None:
-        self._values = tuple(values)
-
-    @property
-    def values(self) -> tuple[Any, ...]:
-        """The elements, in worker order."""
-        return self._values
-
-    def __repr__(self) -> str:
-        return f"PerWorkerValues({len(self._values)} workers)"
-
-
-class _Resource:
-    """A per-worker object (dataset, iterator), referred to by key; unpickled on a
-    worker it is that worker's object."""
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-    def __reduce__(self) -> Any:
-        return (_resolve_resource, (self.key,))
-
-
-def _resolve_resource(key: str) -> Any:
-    return _runtime.current().resources[key]
-
-
-class _PerWorkerDataset(PerWorkerValues):
-    """`create_per_worker_dataset`'s result: `iter()` makes per-worker iterators."""
-
-    def __init__(self, coordinator: ClusterCoordinator, values: Sequence[Any]) -> None:
-        super().__init__(values)
-        self._coordinator = coordinator
-
-    def __iter__(self) -> _PerWorkerIterators:
-        iterators = self._coordinator._per_worker(None, self)
-        assert isinstance(iterators, _PerWorkerIterators)
-        return iterators
-
-
-class _PerWorkerIterators(PerWorkerValues):
-    """`iter()` of a per-worker dataset: one iterator per worker, to pass to
-    `schedule` (a closure calls ``next()`` on its worker's)."""
-
-    def __init__(self, values: Sequence[Any], dataset: PerWorkerValues) -> None:
-        super().__init__(values)
-        self._dataset = dataset  # kept while the iterators live: a rejoining worker rebuilds both
-
-    def __iter__(self) -> _PerWorkerIterators:
-        return self
-
-    def __next__(self) -> Any:
-        raise InvalidArgumentError(
-            "next() of per-worker iterators runs on the workers: pass the iterators to "
-            "coordinator.schedule(fn, args=(iterators,)) and call next() inside fn"
-        )
-
-
-def _takes_one_argument(fn: Callable[..., Any]) -> bool:
-    """Whether `fn` takes exactly one positional argument (an `InputContext`)."""
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature
-        return False
-    positional = [
-        p
-        for p in parameters
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
-    ]
-    return len(positional) == 1
-
-
-class _WithInputContext:
-    """A per-worker `dataset_fn(input_context)`, called on a worker with its context."""
-
-    def __init__(self, dataset_fn: Callable[[Any], Any], num_workers: int) -> None:
-        self._dataset_fn = dataset_fn
-        self._num_workers = num_workers
-
-    def __call__(self) -> Any:
-        from distribute.data.options import InputContext
-
-        context = InputContext(
-            num_input_pipelines=self._num_workers,
-            input_pipeline_id=_runtime.worker_index(_runtime.current().name),
-            num_replicas_in_sync=1,
-        )
-        return self._dataset_fn(context)
 
 
 @dataclass
@@ -238,6 +93,9 @@ class _Closure:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     result: RemoteValue
+    # How many errors the coordinator had raised when this closure was scheduled:
+    # its error is the coordinator's only if none was raised since (NOTE [scheduling]).
+    raised: int = 0
     # The pickled arguments, the same for every worker (None: they hold
     # `PerWorkerValues`, pickled for each worker as it is sent).
     args_blob: bytes | None = None
@@ -272,21 +130,18 @@ class ClusterCoordinator:
             raise InvalidArgumentError(
                 f"ClusterCoordinator needs a ParameterServerStrategy, got {type(strategy).__name__}"
             )
-        if strategy._coordinator is not None:
-            raise InvalidArgumentError(
-                "this ParameterServerStrategy already has a ClusterCoordinator; use that one "
-                "(there is one coordinator per strategy)"
-            )
-        strategy._coordinator = self
-        _memoize_cloudpickle_submodule_scan()
+        cluster = strategy.attach_coordinator(self, _Events(self))
         self._strategy = strategy
-        self._runtime = strategy._runtime
-        self._workers = list(strategy._cluster.workers)
+        self._runtime = cluster.runtime
+        self._publish = cluster.publish
+        self._ps = cluster.ps
+        self._workers = list(cluster.workers)
         self._alive = set(self._workers)
         self._queue: collections.deque[_Closure] = collections.deque()
         self._cond = threading.Condition()
         self._inflight = 0
         self._error: BaseException | None = None
+        self._raised = 0  # errors raised so far (NOTE [scheduling])
         self._stopping = False
         self._sent: dict[str, set[str]] = {w: set() for w in self._workers}
         self._idle = list(self._workers)
@@ -329,7 +184,7 @@ class ClusterCoordinator:
                     "a RemoteValue was passed to schedule(); pass its fetched value "
                     "(coordinator.fetch(value)) instead"
                 )
-        self._strategy._publish()
+        self._publish()
         self._free_forgotten()
         key, blob = self._function_key(fn)
         per_worker = any(isinstance(leaf, PerWorkerValues) for leaf in leaves)
@@ -337,6 +192,7 @@ class ClusterCoordinator:
         if not per_worker:
             closure.args_blob = _pickled_arguments(args, kwargs)
         with self._cond:
+            closure.raised = self._raised
             self._queue.append(closure)
         self._arm_all_lost(None)
         self._pump()
@@ -347,8 +203,8 @@ class ClusterCoordinator:
         of the variables.
 
         Raises:
-            Exception: the first error of a closure since the last `join`, whatever
-                its type.
+            Exception: the first error of a closure scheduled since an error was last
+                raised, whatever its type; raised once.
         """
         with self._cond:
             while (self._queue or self._inflight) and self._error is None:
@@ -396,8 +252,8 @@ class ClusterCoordinator:
             coordinator.create_per_worker_dataset(
                 lambda ctx: shard(files, ctx.num_input_pipelines, ctx.input_pipeline_id))
         """
-        if _takes_one_argument(dataset_fn):
-            dataset_fn = _WithInputContext(dataset_fn, len(self._workers))
+        if takes_one_argument(dataset_fn):
+            dataset_fn = WithInputContext(dataset_fn, len(self._workers))
         return self._per_worker(cloudpickle.dumps(dataset_fn), None)
 
     @staticmethod
@@ -410,21 +266,47 @@ class ClusterCoordinator:
         """
         from distribute.strategies.parameter_server import ParameterServerStrategy
 
-        if isinstance(strategy, ParameterServerStrategy) and strategy._coordinator is not None:
-            existing: ClusterCoordinator = strategy._coordinator
-            return existing
+        if isinstance(strategy, ParameterServerStrategy):
+            existing = strategy.coordinator
+            if isinstance(existing, ClusterCoordinator):
+                return existing
         return ClusterCoordinator(strategy)
+
+    # -- what the strategy tells it (`ClusterEvents`, through `_Events`) -------------
+
+    def _worker_replaced(self, worker: str) -> None:
+        """`worker`'s process died and a new one is joining (NOTE [worker
+        restarts]): calls still out to the old one are stale."""
+        with self._cond:
+            self._generation[worker] += 1
+        self._lose(worker, "its process was replaced by a restarted one")
+
+    def _cluster_stopping(self) -> None:
+        """The cluster is shutting down: queued closures are cancelled."""
+        with self._cond:
+            self._stopping = True
+            if self._all_lost is not None:
+                self._all_lost.cancel()
+            cancelled = list(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+        for closure in cancelled:
+            closure.result._set(error=ClosureCancelledError(_SHUT_DOWN))
 
     # -- internals ------------------------------------------------------------------
 
     def _per_worker(self, blob: bytes | None, source: PerWorkerValues | None) -> PerWorkerValues:
+        """Builds a per-worker object on every live worker: ``fn()`` of pickled
+        `blob` (a dataset), or ``iter()`` of `source`'s.
+
+        Raises:
+            Exception: the user's error, on the first worker where it was raised
+                (NOTE [errors from workers]); the object is freed where it was made.
+            WorkerError: a live worker did not finish within the timeout.
+        """
         key = uuid.uuid4().hex
         runtime = self._runtime
-        src_key = None
-        if source is not None:
-            first = source.values[0]
-            assert isinstance(first, _Resource)
-            src_key = first.key
+        src_key = None if source is None else Resource.key_of(source)
         with self._resources_lock:
             self._resources[key] = (blob, src_key)
             futures = [
@@ -440,24 +322,53 @@ class ClusterCoordinator:
                 for w in self._workers
                 if w in self._alive
             ]
+        error: BaseException | None = None
         for worker, future in futures:
             try:
                 failure = future.wait()
-            except Exception:
-                self._lose(worker)
+            except Exception as e:
+                if not self._lost_after(worker, e):
+                    error = error or WorkerError(
+                        f"building a per-worker dataset on {worker} failed ({_first_line(e)}), "
+                        "though the worker answers; the dataset_fn must return within the "
+                        f"strategy's timeout_seconds ({runtime.timeout:.0f} s): make it "
+                        "lazy (read in the iterator) or raise the timeout"
+                    )
                 continue
             if isinstance(failure, _runtime.ClosureFailure):
-                raise failure.error
-        resources = [_Resource(key) for _ in self._workers]
+                error = error or rebuilt(failure)
+        if error is not None:
+            with self._resources_lock:
+                self._resources.pop(key, None)
+            self._forgotten.append(key)
+            raise error
+        resources = [Resource(key) for _ in self._workers]
         made: PerWorkerValues = (
-            _PerWorkerDataset(self, resources)
+            PerWorkerDataset(resources, self._iterators)
             if source is None
-            else _PerWorkerIterators(resources, source)
+            else PerWorkerIterators(resources, source)
         )
         # Gone from the chief (nothing can refer to it any more: a queued closure
         # holds its arguments), it is freed on the workers at the next schedule.
         weakref.finalize(made, self._forgotten.append, key)
         return made
+
+    def _iterators(self, dataset: PerWorkerValues) -> PerWorkerValues:
+        """``iter()`` of per-worker `dataset` on every worker."""
+        return self._per_worker(None, dataset)
+
+    def _lost_after(self, worker: str, error: BaseException) -> bool:
+        """After a call to `worker` failed with `error`: whether it is lost (it does
+        not answer a ping within the timeout); if so, drops it."""
+        runtime = self._runtime
+        if runtime.answers(worker, runtime.timeout):
+            return False
+        self._lose(
+            worker,
+            f"a call to it failed ({_first_line(error)}) and it did not answer a ping within "
+            f"{runtime.timeout:.0f} s",
+        )
+        return True
 
     def _free_forgotten(self) -> None:
         """Frees, on every worker, the per-worker objects the chief no longer holds
@@ -493,43 +404,50 @@ class ClusterCoordinator:
         return hashlib.sha1(blob).hexdigest(), blob
 
     def _raise_error(self) -> None:
+        """Raises the recorded error, once (NOTE [scheduling])."""
         with self._cond:
             error, self._error = self._error, None
+            if error is not None:
+                self._raised += 1
         if error is not None:
             raise error
 
-    def _fail(self, error: BaseException) -> None:
-        """Records the first error and cancels every queued closure."""
+    def _fail(self, error: BaseException, closure: _Closure | None = None) -> None:
+        """Records the first error and cancels every queued closure; the error of a
+        `closure` scheduled before an error was last raised is its own alone."""
         with self._cond:
+            if closure is not None and closure.raised != self._raised:
+                return
             if self._error is None:
                 self._error = error
             cancelled = list(self._queue)
             self._queue.clear()
             self._cond.notify_all()
-        for closure in cancelled:
-            closure.result._set(
+        for queued in cancelled:
+            queued.result._set(
                 error=ClosureCancelledError(
                     f"this closure was cancelled because an earlier one failed: {error}"
                 )
             )
 
-    def _lose(self, worker: str) -> None:
-        """Drops `worker` (dead); with none left, queued closures fail unless one
-        comes back within the timeout."""
+    def _lose(self, worker: str, cause: str) -> None:
+        """Drops `worker` (dead, for `cause`); with none left, queued closures fail
+        unless one comes back within the timeout."""
         with self._cond:
             if worker not in self._alive:
                 return
             self._alive.discard(worker)
             if worker in self._idle:
                 self._idle.remove(worker)
+            left = len(self._alive)
+        logger.warning(
+            "%s is lost: %s; its closures run on the %d other worker(s) (a restarted %s rejoins)",
+            worker,
+            cause,
+            left,
+            worker,
+        )
         self._arm_all_lost(worker)
-
-    def _replaced(self, worker: str) -> None:
-        """`worker`'s process died and a new one is joining (NOTE [worker
-        restarts]): calls still out to the old one are stale."""
-        with self._cond:
-            self._generation[worker] += 1
-        self._lose(worker)
 
     def _arm_all_lost(self, last: str | None) -> None:
         """With no worker alive, starts the wait for one to come back."""
@@ -557,8 +475,10 @@ class ClusterCoordinator:
         )
 
     def _readmit(self, worker: str) -> None:
-        """`worker`'s restarted process joined: rebuilds on it the per-worker objects
-        the chief holds (iterators start over), then sends it closures."""
+        """`worker`'s restarted process joined: rebuilds there the per-worker
+        objects the chief holds (iterators start over), then sends it closures. One
+        whose ``dataset_fn`` fails there is logged, and the worker is taken back
+        (closures that use it fail there)."""
         runtime = self._runtime
         generation = self._generation[worker]
         with self._resources_lock:
@@ -570,16 +490,21 @@ class ClusterCoordinator:
                         (key, blob or b"", source),
                         runtime.timeout,
                     ).wait()
-                except Exception:
-                    return  # gone again; it may come back once more
+                except Exception as e:
+                    logger.warning(
+                        "%s came back but failed again while rejoining (%s); a restarted "
+                        "process may rejoin",
+                        worker,
+                        _first_line(e),
+                    )
+                    return
                 if isinstance(failure, _runtime.ClosureFailure):
                     logger.error(
-                        "%s came back, but rebuilding a per-worker dataset there failed; it "
-                        "gets no closures:\n%s",
+                        "%s came back, but rebuilding a per-worker dataset there failed "
+                        "(closures that use it fail there):\n%s",
                         worker,
                         failure.text,
                     )
-                    return
             with self._cond:
                 if self._generation[worker] != generation:
                     return  # replaced again while this one was being set up
@@ -619,9 +544,7 @@ class ClusterCoordinator:
                     nest.map_structure(for_worker, closure.kwargs),
                 )
             except Exception as e:
-                self._fail(e)
-                closure.result._set(error=e)
-                self._finish(worker, idle=True)
+                self._closure_failed(worker, closure, e)
                 return
         blob = None if closure.key in self._sent[worker] else closure.blob
         self._sent[worker].add(closure.key)
@@ -634,8 +557,8 @@ class ClusterCoordinator:
                 (closure.key, blob, args_blob, runtime.timeout),
                 runtime.timeout,
             )
-        except Exception:
-            self._requeue(worker, closure, lost=True)
+        except Exception as e:  # the transport knows it is gone
+            self._requeue(worker, closure, lost=f"it cannot be called ({_first_line(e)})")
             return
         future.add_done_callback(lambda f: self._on_done(worker, generation, closure, f))
 
@@ -646,7 +569,7 @@ class ClusterCoordinator:
             result = future.value()
         except Exception as e:
             if not current:  # the old process of a replaced worker: run it elsewhere
-                self._requeue(worker, closure, lost=False)
+                self._requeue(worker, closure, lost=None)
                 return
             # Not in the transport's thread: asking the worker whether it is alive
             # waits for another call, which that thread may be needed to receive.
@@ -655,12 +578,17 @@ class ClusterCoordinator:
             ).start()
             return
         if isinstance(result, _runtime.ClosureFailure):
-            self._closure_failed(worker, closure, result.error, idle=current)
+            self._closure_failed(worker, closure, rebuilt(result), idle=current)
             return
         try:
             value = cloudpickle.loads(result)
         except Exception as e:
-            self._closure_failed(worker, closure, e, idle=current)
+            error = InvalidArgumentError(
+                f"the result of a closure that ran on {worker} cannot be read on the chief "
+                f"({type(e).__name__}: {e}); return tensors, numbers or values whose "
+                "classes the chief imports"
+            )
+            self._closure_failed(worker, closure, error, idle=current)
             return
         closure.result._set(value=value)
         self._finish(worker, idle=current)
@@ -669,20 +597,26 @@ class ClusterCoordinator:
     def _call_failed(
         self, worker: str, generation: int, closure: _Closure, e: BaseException
     ) -> None:
-        """A closure's call failed: its worker died (the closure runs elsewhere), or
-        it is alive and the call timed out: then a ps that does not answer (a frozen
-        one: its connections stay open) is named, else the closure fails."""
+        """A closure's call failed: its worker died (it does not answer a ping
+        within the timeout: the closure runs elsewhere), or it is alive and the call
+        timed out: then a ps that does not answer (a frozen one: its connections stay
+        open) is named, else the closure fails."""
         if self._stopping:
             self._closure_failed(worker, closure, ClosureCancelledError(_SHUT_DOWN))
             return
-        answers = self._runtime.answers(worker)
+        runtime = self._runtime
+        answers = runtime.answers(worker, runtime.timeout)
         if self._generation[worker] != generation:
             # replaced meanwhile: the ping may have reached the new process, and
             # losing the worker now would drop that one
-            self._requeue(worker, closure, lost=False)
+            self._requeue(worker, closure, lost=None)
             return
         if not answers:
-            self._requeue(worker, closure, lost=True)
+            cause = (
+                f"its closure's call failed ({_first_line(e)}) and it did not answer a ping "
+                f"within {runtime.timeout:.0f} s"
+            )
+            self._requeue(worker, closure, lost=cause)
             return
         silent = self._silent_ps(worker)
         if silent is not None:
@@ -707,7 +641,7 @@ class ClusterCoordinator:
         """
         runtime = self._runtime
         wait = min(_PS_PING_SECONDS, runtime.timeout)
-        for task in self._strategy._cluster.ps:
+        for task in self._ps:
             if not runtime.answers(task, wait):
                 return runtime.unavailable(
                     task,
@@ -721,20 +655,20 @@ class ClusterCoordinator:
     def _closure_failed(
         self, worker: str, closure: _Closure, error: BaseException, *, idle: bool = True
     ) -> None:
-        self._fail(error)  # first: join() and done() must see it
+        self._fail(error, closure)  # first: join() and done() must see it
         closure.result._set(error=error)
         self._finish(worker, idle=idle)
 
-    def _requeue(self, worker: str, closure: _Closure, *, lost: bool) -> None:
-        """Puts `closure` back at the front of the queue; `lost`: its worker died
-        (else the call went to a replaced worker's old process)."""
+    def _requeue(self, worker: str, closure: _Closure, *, lost: str | None) -> None:
+        """Puts `closure` back at the front of the queue; `lost`: why its worker is
+        lost (None: the call went to a replaced worker's old process)."""
         with self._cond:
             self._queue.appendleft(closure)
-        if lost:
+        if lost is not None:
             self._sent[worker].clear()
         self._finish(worker, idle=False)
-        if lost:
-            self._lose(worker)
+        if lost is not None:
+            self._lose(worker, lost)
         self._pump()
 
     def _finish(self, worker: str, *, idle: bool) -> None:
@@ -744,23 +678,28 @@ class ClusterCoordinator:
                 self._idle.append(worker)
             self._cond.notify_all()
 
-    def _stop(self) -> None:
-        """The cluster is shutting down: queued closures are cancelled."""
-        with self._cond:
-            self._stopping = True
-            if self._all_lost is not None:
-                self._all_lost.cancel()
-            cancelled = list(self._queue)
-            self._queue.clear()
-            self._cond.notify_all()
-        for closure in cancelled:
-            closure.result._set(error=ClosureCancelledError(_SHUT_DOWN))
-
     def __reduce__(self) -> Any:
         raise InvalidArgumentError(
             "a ClusterCoordinator cannot be sent to the workers (a scheduled function "
             "captured it?); it lives on the chief: schedule from the chief only"
         )
+
+
+class _Events:
+    """A coordinator's `ClusterEvents` (strategies/parameter_server.py): what its
+    strategy tells it about the cluster."""
+
+    def __init__(self, coordinator: ClusterCoordinator) -> None:
+        self._coordinator = coordinator
+
+    def worker_replaced(self, worker: str) -> None:
+        self._coordinator._worker_replaced(worker)
+
+    def worker_rejoined(self, worker: str) -> None:
+        self._coordinator._readmit(worker)
+
+    def cluster_stopping(self) -> None:
+        self._coordinator._cluster_stopping()
 
 
 _SHUT_DOWN = "the cluster was shut down before this closure ran"
@@ -785,48 +724,6 @@ def _pickled_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
     return blob
 
 
-def _memoize_cloudpickle_submodule_scan() -> None:
-    """Makes cloudpickle's scan for the submodules a function uses run once per
-    function code and set of loaded modules.
-
-    For each function it pickles by value that refers to a package (``torch``),
-    cloudpickle scans every loaded module for that package's submodules: about a
-    millisecond with torch loaded, and a step function is pickled at every
-    `schedule`. The scan's result depends only on the function's code, the packages
-    it refers to and the loaded modules (checked by their count). A cloudpickle
-    without this private function is left as it is (only slower).
-    """
-    impl = getattr(cloudpickle, "cloudpickle", None)
-    scan = getattr(impl, "_find_imported_submodules", None)
-    if scan is None or getattr(scan, "_ds_memoized", False):
-        return
-    impl._find_imported_submodules = _memoized_scan(scan)  # type: ignore[union-attr]  # checked above
-
-
-def _memoized_scan(scan: Callable[[Any, Any], list[Any]]) -> Callable[[Any, Any], list[Any]]:
-    """`scan` (cloudpickle's submodule scan) memoized (see the caller)."""
-    cache: dict[tuple[Any, ...], list[Any]] = {}
-
-    def memoized(code: Any, top_level_dependencies: Any) -> list[Any]:
-        dependencies = list(top_level_dependencies)
-        packages = tuple(
-            sorted(
-                d.__name__
-                for d in dependencies
-                if isinstance(d, types.ModuleType) and getattr(d, "__package__", None)
-            )
-        )
-        key = (code, packages, len(sys.modules))
-        found = cache.get(key)
-        if found is None:
-            if len(cache) > _SCANS_KEPT:
-                cache.clear()
-            found = cache[key] = scan(code, dependencies)
-        return list(found)
-
-    memoized._ds_memoized = True  # type: ignore[attr-defined]  # marks the wrapper
-    memoized.__wrapped__ = scan  # type: ignore[attr-defined]  # as functools.wraps sets it
-    return memoized
-
-
-_SCANS_KEPT = 1024
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__

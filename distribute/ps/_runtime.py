@@ -26,9 +26,9 @@ from __future__ import annotations
 import collections
 import threading
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import cloudpickle
 import torch
@@ -36,7 +36,14 @@ import torch
 from distribute.errors import DistributeError, InvalidArgumentError
 from distribute.ps._transport import Transport
 
-__all__ = ["ClosureFailure", "PsUnavailableError", "Runtime", "current", "install"]
+__all__ = [
+    "ClosureFailure",
+    "PsUnavailableError",
+    "Runtime",
+    "TaskHost",
+    "current",
+    "install",
+]
 
 
 class PsUnavailableError(DistributeError, ConnectionError):
@@ -52,13 +59,60 @@ class PsUnavailableError(DistributeError, ConnectionError):
     """
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClosureFailure:
-    """A closure's exception, sent back to the coordinator with its traceback."""
+    """A closure's (or a ``dataset_fn``'s) exception as its worker sends it back.
 
-    error: BaseException
+    rpc pickles a reply with plain pickle, which cannot carry an exception whose
+    class the worker got by value (one defined in the chief's ``__main__``): so
+    the exception travels as cloudpickle bytes (its class by value, which the
+    chief maps back to its own class), beside plain text that names it where the
+    chief cannot rebuild it (NOTE [errors from workers] in coordinator/).
+
+    Attributes:
+        task: the worker that raised (``worker_1``).
+        type_name: the exception's class, ``module.QualName``.
+        builtins: the builtin exception classes of its MRO, nearest first.
+        message: ``str()`` of the exception.
+        text: the traceback on the worker.
+        blob: the exception pickled by cloudpickle; None where it cannot be.
+        unsent: why it could not be pickled ("" where it was).
+    """
+
+    task: str
+    type_name: str
+    builtins: tuple[str, ...]
+    message: str
     text: str
-    ps_failure: bool = False
+    blob: bytes | None
+    unsent: str = ""
+
+
+class TaskHost(Protocol):
+    """What a task's strategy does for the functions other tasks call on it.
+
+    The strategy installs one in its task's `Runtime` (``runtime.host``): the
+    chief's takes restarted workers back, a worker's runs closures and builds
+    per-worker data in its scope.
+    """
+
+    def run_closure(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        variables: set[int],
+    ) -> Any:
+        """Runs one closure with fresh values of `variables` (their ids)."""
+        ...
+
+    def call_in_worker(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` (a ``dataset_fn``) in the worker's strategy scope."""
+        ...
+
+    def worker_rejoined(self, worker: str) -> None:
+        """On the chief: `worker`'s restarted process joined the cluster."""
+        ...
 
 
 @dataclass
@@ -147,6 +201,7 @@ class Runtime:
         self.workers_done: set[str] = set()  # compat.v1: workers that finished
         self.expected_workers: set[str] = set()
         self.strategy: Any = None  # the strategy closures see on a worker
+        self.host: TaskHost | None = None  # what other tasks' calls act on here
 
     @property
     def transport(self) -> Transport:
@@ -435,7 +490,8 @@ def worker_run(key: str, blob: bytes | None, args_blob: bytes, timeout: float) -
     ``timeout`` is the chief's strategy's: this worker's calls to the ps tasks
     take it from then on (its own `Server` timeout only bounded joining).
 
-    Returns the closure's result, or a `ClosureFailure` (the coordinator raises it).
+    Returns the closure's result pickled, or a `ClosureFailure` (the coordinator
+    raises it): a failed call means a lost worker, never the user's error.
     """
     runtime = current()
     runtime.timeout = timeout
@@ -451,7 +507,7 @@ def worker_run(key: str, blob: bytes | None, args_blob: bytes, timeout: float) -
             runtime.functions.move_to_end(key)
         fn, fn_vars = cached
         (args, kwargs), arg_vars = _load(args_blob)
-        result = runtime.strategy._run_closure(fn, args, kwargs, fn_vars | arg_vars)
+        result = _host(runtime).run_closure(fn, args, kwargs, fn_vars | arg_vars)
         try:
             return cloudpickle.dumps(result)
         except Exception as e:
@@ -459,25 +515,42 @@ def worker_run(key: str, blob: bytes | None, args_blob: bytes, timeout: float) -
                 f"the closure's result ({type(result).__name__}) cannot be sent back to the "
                 f"chief: {e}; return tensors, numbers or other picklable values"
             ) from e
-    except PsUnavailableError as e:
-        return _failure(e, ps_failure=True)
     except BaseException as e:
-        return _failure(e)
+        return failure(runtime.name, e)
 
 
 #: Step functions a worker keeps, most recently used first.
 _FUNCTIONS_KEPT = 64
 
 
-def _failure(error: BaseException, ps_failure: bool = False) -> ClosureFailure:
-    """A closure's exception made sendable (an unpicklable one becomes a RuntimeError
-    with its text)."""
-    text = traceback.format_exc()
+def _host(runtime: Runtime) -> TaskHost:
+    if runtime.host is None:
+        raise InvalidArgumentError(
+            f"{runtime.name} has no strategy to run closures in: start it with "
+            "ds.Server(resolver).join()"
+        )
+    return runtime.host
+
+
+def failure(task: str, error: BaseException) -> ClosureFailure:
+    """`error` (raised on `task`) as its worker sends it back: by value where
+    cloudpickle can pickle it, with its name, message and traceback always."""
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     try:
-        cloudpickle.dumps(error)
-    except Exception:
-        error = RuntimeError(f"{type(error).__name__}: {error}")
-    return ClosureFailure(error, text, ps_failure)
+        blob: bytes | None = cloudpickle.dumps(error)
+        unsent = ""
+    except Exception as e:  # an attribute that cannot be pickled (a lock, a file)
+        blob, unsent = None, f"{type(e).__name__}: {e}"
+    cls = type(error)
+    return ClosureFailure(
+        task=task,
+        type_name=f"{cls.__module__}.{cls.__qualname__}",
+        builtins=tuple(c.__name__ for c in cls.__mro__ if c.__module__ == "builtins"),
+        message=str(error),
+        text=text,
+        blob=blob,
+        unsent=unsent,
+    )
 
 
 def worker_make_resource(key: str, blob: bytes, source: str | None) -> ClosureFailure | None:
@@ -489,11 +562,11 @@ def worker_make_resource(key: str, blob: bytes, source: str | None) -> ClosureFa
     runtime = current()
     try:
         if source is None:
-            runtime.resources[key] = runtime.strategy._call_in_worker(cloudpickle.loads(blob))
+            runtime.resources[key] = _host(runtime).call_in_worker(cloudpickle.loads(blob))
         else:
             runtime.resources[key] = iter(runtime.resources[source])
     except BaseException as e:
-        return _failure(e)
+        return failure(runtime.name, e)
     return None
 
 
@@ -511,9 +584,9 @@ def worker_ping() -> str:
 def worker_rejoined(worker: str) -> None:
     """On the chief: `worker`'s restarted process has joined (NOTE [worker restarts]);
     it is taken back in a thread of its own (that sends calls and waits for them)."""
-    strategy = current().strategy
+    host = _host(current())
     threading.Thread(
-        target=strategy._worker_rejoined, args=(worker,), name="distribute-ps-readmit", daemon=True
+        target=host.worker_rejoined, args=(worker,), name="distribute-ps-readmit", daemon=True
     ).start()
 
 

@@ -30,7 +30,8 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -51,9 +52,44 @@ from distribute.strategies._ps_engine import (
 from distribute.strategies._replicated import ReplicatedExtended
 from distribute.strategies.base import Strategy
 
-__all__ = ["ParameterServerStrategy", "Server"]
+__all__ = ["ClusterEvents", "CoordinatedCluster", "ParameterServerStrategy", "Server"]
 
 logger = logging.getLogger(__name__)
+
+
+class ClusterEvents(Protocol):
+    """What a `ParameterServerStrategy` tells its coordinator about the cluster
+    (`ds.coordinator.ClusterCoordinator` passes one to `attach_coordinator`)."""
+
+    def worker_replaced(self, worker: str) -> None:
+        """`worker`'s process died and a new one is joining: calls still out to the
+        old process are stale (NOTE [worker restarts])."""
+        ...
+
+    def worker_rejoined(self, worker: str) -> None:
+        """`worker`'s new process has joined: it may run closures again."""
+        ...
+
+    def cluster_stopping(self) -> None:
+        """The strategy is shutting the cluster down: nothing more will run."""
+        ...
+
+
+@dataclass(frozen=True)
+class CoordinatedCluster:
+    """What a coordinator uses of its strategy's cluster (`attach_coordinator`).
+
+    Attributes:
+        runtime: the chief's task runtime (its transport and timeout).
+        workers: the worker tasks' names, in index order.
+        ps: the ps tasks' names, in index order.
+        publish: sends the variables created since its last call to their ps tasks.
+    """
+
+    runtime: _runtime.Runtime
+    workers: tuple[str, ...]
+    ps: tuple[str, ...]
+    publish: Callable[[], None]
 
 
 class ParameterServerStrategy(Strategy):
@@ -97,7 +133,8 @@ class ParameterServerStrategy(Strategy):
         self._resolver = cluster_resolver
         self._cluster = PsCluster(cluster_resolver)
         self._timeout = float(timeout_seconds)
-        self._coordinator: Any = None
+        self._coordinator: object | None = None
+        self._events: ClusterEvents | None = None  # the coordinator's
         self._closed = False
         # On a worker task (the strategy closures see), modules and variables built
         # inside a closure stay local to it: only the chief creates variables on the ps.
@@ -118,6 +155,7 @@ class ParameterServerStrategy(Strategy):
         )
         if _task is not None:
             self._runtime = _task
+            _task.host = _Host(self)
             return
         if not self._cluster.has_chief:
             raise InvalidArgumentError(
@@ -133,6 +171,7 @@ class ParameterServerStrategy(Strategy):
             )
         runtime = _runtime.Runtime("chief", self._timeout)
         runtime.strategy = self
+        runtime.host = _Host(self)
         self._runtime = runtime
         cluster = self._cluster
         self._store = start_task(
@@ -160,31 +199,39 @@ class ParameterServerStrategy(Strategy):
         """1: each closure is one replica's step; workers do not synchronize."""
         return 1
 
-    def _publish(self) -> None:
-        """Sends the variables created since the last call to their ps tasks."""
-        self._variables.publish()
+    @property
+    def coordinator(self) -> object | None:
+        """The `ds.coordinator.ClusterCoordinator` attached to this strategy, if any."""
+        return self._coordinator
 
-    # -- on a worker task -----------------------------------------------------------
+    def attach_coordinator(self, coordinator: object, events: ClusterEvents) -> CoordinatedCluster:
+        """Attaches the strategy's one `coordinator`, told about the cluster through
+        `events`; called by `ds.coordinator.ClusterCoordinator` (build one of those).
 
-    def _call_in_worker(self, fn: Callable[[], Any]) -> Any:
-        with self.scope():
-            return fn()
+        Returns:
+            What the coordinator uses of the cluster.
 
-    def _run_closure(
-        self,
-        fn: Callable[..., Any],
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
-        variables: set[int],
-    ) -> Any:
-        """Runs one closure on this worker with fresh values of `variables` (a
-        sharded variable's shards are read when used, rows only for lookups)."""
-        runtime = self._runtime
-        for sharded in runtime.sharded.values():
-            sharded._ds_reads.clear()  # an earlier closure's lookups without a step
-        runtime.refresh_whole(variables)
-        with self.scope():
-            return fn(*args, **kwargs)
+        Raises:
+            InvalidArgumentError: a coordinator is attached already, or this is
+                not the chief's strategy.
+        """
+        if self._runtime.name != "chief":
+            raise InvalidArgumentError(
+                f"a ClusterCoordinator runs on the chief, and this is {self._runtime.name}'s "
+                "strategy (a closure may not build one)"
+            )
+        if self._coordinator is not None:
+            raise InvalidArgumentError(
+                "this ParameterServerStrategy already has a ClusterCoordinator; use that one "
+                "(there is one coordinator per strategy)"
+            )
+        self._coordinator, self._events = coordinator, events
+        return CoordinatedCluster(
+            runtime=self._runtime,
+            workers=tuple(self._cluster.workers),
+            ps=tuple(self._cluster.ps),
+            publish=self._variables.publish,
+        )
 
     # -- workers that come back -------------------------------------------------------
 
@@ -224,8 +271,8 @@ class ParameterServerStrategy(Strategy):
                 "checkpoint",
             )
             return
-        if self._coordinator is not None:
-            self._coordinator._replaced(task)
+        if self._events is not None:
+            self._events.worker_replaced(task)
         # A joining process calls every member of rpc's list: every dead worker
         # leaves it (the coordinator finds the others dead by its own calls).
         for other in self._cluster.workers:
@@ -233,11 +280,6 @@ class ParameterServerStrategy(Strategy):
                 runtime.transport.forget(other)
         self._store.delete_key(f"owner/{rank}")
         logger.info("%s was restarted; it rejoins the cluster", task)
-
-    def _worker_rejoined(self, worker: str) -> None:
-        """`worker`'s restarted process has joined: the coordinator takes it back."""
-        if self._coordinator is not None and not self._closed:
-            self._coordinator._readmit(worker)
 
     # -- shutting down ----------------------------------------------------------------
 
@@ -247,8 +289,8 @@ class ParameterServerStrategy(Strategy):
         if self._closed or self._runtime.name != "chief":
             return
         self._closed = True
-        if self._coordinator is not None:
-            self._coordinator._stop()
+        if self._events is not None:
+            self._events.cluster_stopping()
         runtime = self._runtime
         leave_cluster(runtime, [*self._cluster.workers, *self._cluster.ps], _runtime.stop_task)
         self._store = None  # the rendezvous store's port is free again
@@ -258,6 +300,41 @@ class ParameterServerStrategy(Strategy):
             f"ParameterServerStrategy(workers={len(self._cluster.workers)}, "
             f"ps={len(self._cluster.ps)})"
         )
+
+
+class _Host:
+    """This task's `TaskHost` (ps/_runtime.py): what the calls of other tasks do
+    here. On a worker, closures and ``dataset_fn`` run in the strategy's scope; on
+    the chief, a restarted worker is handed to the coordinator."""
+
+    def __init__(self, strategy: ParameterServerStrategy) -> None:
+        self._strategy = strategy
+
+    def run_closure(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        variables: set[int],
+    ) -> Any:
+        """Runs one closure on this worker with fresh values of `variables` (a
+        sharded variable's shards are read when used, rows only for lookups)."""
+        runtime = self._strategy._runtime
+        for sharded in runtime.sharded.values():
+            sharded._ds_reads.clear()  # an earlier closure's lookups without a step
+        runtime.refresh_whole(variables)
+        with self._strategy.scope():
+            return fn(*args, **kwargs)
+
+    def call_in_worker(self, fn: Callable[[], Any]) -> Any:
+        with self._strategy.scope():
+            return fn()
+
+    def worker_rejoined(self, worker: str) -> None:
+        """`worker`'s restarted process has joined: the coordinator takes it back."""
+        strategy = self._strategy
+        if strategy._events is not None and not strategy._closed:
+            strategy._events.worker_rejoined(worker)
 
 
 # NOTE [worker restarts]

@@ -126,7 +126,13 @@ def adapt(
     if isinstance(x, DataLoader):
         loader = x
     elif isinstance(x, Dataset):
-        loader = DataLoader(x, batch_size=batch_size or 32, shuffle=shuffle)
+        # An IterableDataset cannot be shuffled here: `shuffle` is ignored (Keras's
+        # for a dataset or a generator).
+        loader = DataLoader(
+            x,
+            batch_size=batch_size or 32,
+            shuffle=shuffle and not isinstance(x, IterableDataset),
+        )
     elif isinstance(x, _ARRAYS):
         arrays = [_tensor(x, "x")]
         for a, name in ((y, "y"), (sample_weight, "sample_weight")):

@@ -18,7 +18,15 @@ batches in the same order as under every other strategy) and each batch travels
 with its closure. A ``dataset_fn(input_context)`` (Keras's ``DatasetCreator``), or
 per-worker data from ``coordinator.create_per_worker_dataset``, is built on every
 worker instead, and each closure takes the next batch of its worker's iterator; the
-data then has no end the chief could see, so ``steps_per_epoch`` is required.
+data then has no end the chief could see, so ``steps_per_epoch`` is required; so it
+is for input read on the chief that has no length (an `IterableDataset`, a
+DataLoader over one, a generator), as TF's parameter-server `fit` requires: an
+infinite one would otherwise train forever in its first epoch.
+
+Errors: a step's error on a worker is raised by `fit` once (the coordinator's
+error state is cleared with it: the next `fit`, `evaluate` or ``join`` starts
+clean), with the worker's name and traceback in a note (NOTE [errors from workers]
+in coordinator/).
 
 Callbacks: a batch's ``on_train_batch_begin`` runs when its closure is scheduled,
 ``on_train_batch_end`` when its result arrives (in step order, with the running
@@ -42,7 +50,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from distribute._enums import StepRunner
-from distribute.coordinator import ClusterCoordinator, PerWorkerValues
+from distribute.coordinator import ClusterCoordinator, PerWorkerValues, RemoteValue
+from distribute.data.dataset import DistributedDataset, DistributedDatasetsFromFunction
 from distribute.errors import InvalidArgumentError
 from distribute.training._data import Data, adapt, local_batch_size
 from distribute.training.callbacks import BackupAndRestore, CallbackList
@@ -126,13 +135,29 @@ class ParameterServerLoop:
                 else self.coordinator.create_per_worker_dataset(x)
             )
             return _PerWorkerData(per_worker)
+        if steps_per_epoch is None and not _has_length(x):
+            raise InvalidArgumentError(
+                f"fit under ParameterServerStrategy got a {type(x).__name__} without a length "
+                "and no steps_per_epoch: the chief cannot tell where an epoch ends, and an "
+                "infinite input would train forever in its first epoch; pass "
+                "steps_per_epoch=<steps per epoch>"
+            )
         return adapt(self._strategy, x, y, sample_weight, batch_size, shuffle)
 
     def train_epoch(
-        self, train: Data, hooks: CallbackList, steps_per_epoch: int | None
-    ) -> tuple[float, int]:
-        """Schedules the epoch's steps and adds up their results; returns the summed
-        ``loss * batch size`` and the examples, as `Model._train_epoch` does."""
+        self, train: Data, hooks: CallbackList, steps_per_epoch: int | None, iterator: Any
+    ) -> tuple[float, int, Any]:
+        """Schedules the epoch's steps, taking batches from `iterator` (fit's
+        iterator over `train`), and adds up their results.
+
+        Returns:
+            The summed ``loss * batch size`` and the examples, as
+            `Model._train_epoch` does, and the iterator the epoch ended with (a new
+            pass over `train` where ``steps_per_epoch`` ran past its end).
+
+        Raises:
+            Exception: a step's error (raised once: NOTE [parameter-server fit]).
+        """
         model = self._model
         metrics = model._metrics
         sums = [torch.zeros(m.size, dtype=torch.float64) for m in metrics]
@@ -146,7 +171,7 @@ class ParameterServerLoop:
 
         def finish_oldest() -> None:
             index, taken, result = pending.popleft()
-            loss, size, batch_sums = result.fetch()
+            loss, size, batch_sums = self._fetch(result)
             totals[0] += loss * size
             totals[1] += size
             for total, part in zip(sums, batch_sums):
@@ -160,7 +185,6 @@ class ParameterServerLoop:
                 hooks.on_train_batch_end(index, logs)
                 last[0] = None
 
-        iterator = model._train_iterator
         taken = 0
         fresh = False  # the iterator was just made: an empty pass means empty data
         while (steps_per_epoch is None or taken < steps_per_epoch) and not model.stop_training:
@@ -177,7 +201,7 @@ class ParameterServerLoop:
                             "fit got no data: the dataset is empty"
                         ) from None
                     # Keras's steps_per_epoch over a finite dataset: on into the next pass.
-                    iterator = model._train_iterator = iter(train.dataset)
+                    iterator = iter(train.dataset)
                     fresh = True
                     continue
                 fresh = False
@@ -207,12 +231,33 @@ class ParameterServerLoop:
                 metric.state.copy_(total)
         if taken == 0 and not model.stop_training:
             raise InvalidArgumentError("fit got no data: the dataset is empty")
-        return totals[0], int(totals[1])
+        return totals[0], int(totals[1]), iterator
+
+    def _fetch(self, result: RemoteValue) -> Any:
+        """A step's result; its error is raised as the coordinator's (the first of
+        the failed steps), which clears it, so that the next call starts clean."""
+        try:
+            return result.fetch()
+        except BaseException:
+            self.coordinator.join()  # raises the first error, once
+            raise
 
     def before_inference(self) -> None:
         """Reads the variables' current values from the ps tasks into the chief's
         copies (after waiting for any scheduled closure)."""
         self.coordinator.join()
+
+
+def _has_length(x: Any) -> bool:
+    """Whether fit's input `x` (read on the chief) has a length: arrays, a map-style
+    dataset, a DataLoader over one; a distributed dataset is taken as having one."""
+    if isinstance(x, (DistributedDataset, DistributedDatasetsFromFunction)):
+        return True
+    try:
+        len(x)
+    except TypeError:
+        return False
+    return True
 
 
 def _is_dataset_fn(x: Any) -> bool:

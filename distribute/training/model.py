@@ -306,6 +306,14 @@ class Model(torch.nn.Module):
         ``x`` may be arrays or tensors (with ``y``; split into global batches of
         ``batch_size``, 32 by default, reshuffled every epoch), a DataLoader (its
         batch size is the global batch size), a Dataset, or a distributed dataset.
+
+        ``shuffle`` applies to arrays, tensors and map-style Datasets; it is
+        ignored, as Keras ignores it for a dataset or a generator, for input that
+        cannot be shuffled here: an `IterableDataset`, a generator or iterable of
+        batches, a DataLoader (it shuffles as it was built to) and a distributed
+        dataset. Under `ParameterServerStrategy`, input without a length (an
+        `IterableDataset`, a DataLoader over one, a generator) needs
+        ``steps_per_epoch``.
         """
         self._require_compiled("fit")
         if validation_split and validation_data is None:
@@ -347,11 +355,12 @@ class Model(torch.nn.Module):
         for epoch in range(self._initial_epoch, epochs):
             self._reset_metrics()
             hooks.on_epoch_begin(epoch)
-            total, count = (
-                ps_loop.train_epoch(train, hooks, steps_per_epoch)
-                if ps_loop is not None
-                else self._train_epoch(train, hooks, steps_per_epoch)
-            )
+            if ps_loop is not None:
+                total, count, self._train_iterator = ps_loop.train_epoch(
+                    train, hooks, steps_per_epoch, self._train_iterator
+                )
+            else:
+                total, count = self._train_epoch(train, hooks, steps_per_epoch)
             logs = {"loss": total / count if count else 0.0, **self._metric_logs()}
             if validation is not None and (epoch + 1) % validation_freq == 0:
                 val = self._evaluate_data(validation, validation_steps, hooks)  # on_test_*

@@ -10,8 +10,10 @@ references run in this process too, under the default strategy, from the same se
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
+import os
 import sys
 import tempfile
 import time
@@ -122,6 +124,102 @@ def _contexts(context: ds.InputContext) -> Any:
     return itertools.repeat([context.num_input_pipelines, context.input_pipeline_id])
 
 
+class UserError(Exception):
+    """An exception class of the user's script (this file is the chief's ``__main__``:
+    the workers get the class by value)."""
+
+
+class TwoPartError(ValueError):
+    """An exception the chief cannot rebuild: its ``__init__`` does not take its
+    message (pickle calls ``TwoPartError(message)``)."""
+
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(f"code {code}: {detail}")
+
+
+def _task() -> str:
+    """The task this runs on (``worker_1``), from its TF_CONFIG."""
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    return f"{task['type']}_{task['index']}"
+
+
+class _FailingOn(ds.Model):
+    """A model whose training step raises `error` on worker `task`."""
+
+    def __init__(self, module: torch.nn.Module, task: str, error: type[Exception]) -> None:
+        super().__init__(module)
+        self.failing_task = task
+        self.error = error
+
+    def train_step(self, data: Any) -> Any:
+        if _task() == self.failing_task:
+            raise self.error(f"a bad batch on {self.failing_task}")
+        return super().train_step(data)
+
+
+def _failing_model(strategy: Any, error: type[Exception]) -> ds.Model:
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = _FailingOn(torch.nn.Linear(3, 1), "worker_1", error)
+        model.compile(loss="mse", optimizer="sgd")
+    return model
+
+
+def _user_error_dataset_fn(context: ds.InputContext) -> Any:
+    if context.input_pipeline_id == 1:
+        raise UserError(f"no shard {context.input_pipeline_id} of {context.num_input_pipelines}")
+    return _repeating(context)
+
+
+def _value_error_dataset_fn(context: ds.InputContext) -> Any:
+    if context.input_pipeline_id == 1:
+        raise ValueError(f"no shard {context.input_pipeline_id}")
+    return _repeating(context)
+
+
+def _raise_two_part(detail: str) -> None:
+    raise TwoPartError(7, f"{detail} on {_task()}")
+
+
+def _task_after(seconds: float) -> str:
+    time.sleep(seconds)  # a closure's work: both workers get some
+    return _task()
+
+
+def _workers_used(coordinator: Any) -> list[str]:
+    """The workers that ran 6 closures of 0.2 s (both, if both are in use)."""
+    return sorted(
+        set(coordinator.fetch([coordinator.schedule(_task_after, args=(0.2,)) for _ in range(6)]))
+    )
+
+
+def _raised(attempt: Callable[[], Any]) -> dict[str, Any] | None:
+    """How `attempt` raised: the error's type, message, notes, whether it is one of
+    this script's classes (the chief's own); None if it returned."""
+    try:
+        attempt()
+    except Exception as e:
+        return {
+            **_error(e),
+            "notes": list(getattr(e, "__notes__", [])),
+            "is_user_error": type(e) is UserError,
+            "remote": {
+                k: getattr(e, k, None)
+                for k in ("type_name", "remote_message", "task", "remote_traceback")
+            },
+        }
+    return None
+
+
+def _clean_after(model: ds.Model, coordinator: Any) -> dict[str, Any]:
+    """What the next calls do after an error was raised: nothing stale."""
+    x, y = _data()
+    out: dict[str, Any] = {"evaluate": _raised(lambda: model.evaluate(x, y, verbose=0))}
+    out["join"] = _raised(coordinator.join)
+    out["workers"] = _workers_used(coordinator)
+    return out
+
+
 # -- checks --------------------------------------------------------------------------------
 
 
@@ -184,9 +282,33 @@ def check_checkpoints(strategy: Any) -> dict[str, Any]:
     }
 
 
+class _Endless(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """Examples of `_data`, again and again: no length, no end."""
+
+    def __iter__(self) -> Any:
+        x, y = _data()
+        return itertools.cycle(zip(torch.tensor(x), torch.tensor(y)))
+
+
+def _endless_batches() -> Any:
+    x, y = _data()
+    return itertools.cycle([(torch.tensor(x[:BATCH]), torch.tensor(y[:BATCH]))])
+
+
 def check_refusals(strategy: Any) -> dict[str, Any]:
     model = _model(strategy, "sgd_momentum")
     out: dict[str, Any] = {}
+    endless: dict[str, Callable[[], Any]] = {
+        "iterable_dataset": _Endless,
+        "data_loader": lambda: torch.utils.data.DataLoader(_Endless(), batch_size=BATCH),
+        "generator": _endless_batches,
+    }
+    for name, make in endless.items():
+        start = time.monotonic()
+        raised = _raised(functools.partial(model.fit, make(), epochs=1, verbose=0))
+        out[f"endless_{name}"] = {"raised": raised, "seconds": time.monotonic() - start}
+        history = model.fit(make(), epochs=2, steps_per_epoch=3, verbose=0).history
+        out[f"endless_{name}"]["with_steps"] = history["loss"]
     attempts: dict[str, Callable[[], Any]] = {
         "backup_per_step": lambda: _fit(
             model, callbacks=[ds.callbacks.BackupAndRestore(tempfile.mkdtemp(), save_freq=2)]
@@ -237,6 +359,37 @@ def check_two_workers(strategy: Any, cluster: Any) -> dict[str, Any]:
     }
 
 
+def check_worker_errors(strategy: Any) -> dict[str, Any]:
+    """The user's errors on worker_1 (in a dataset_fn and in a step), of the script's
+    own class and builtins: raised on the chief naming the worker, with nothing
+    stale after and both workers still in use."""
+    coordinator = ds.coordinator.ClusterCoordinator.of(strategy)
+    out: dict[str, Any] = {"workers_before": _workers_used(coordinator)}
+    for name, dataset_fn in (
+        ("user_dataset_fn", _user_error_dataset_fn),
+        ("builtin_dataset_fn", _value_error_dataset_fn),
+    ):
+        model = _model(strategy, "sgd_momentum")
+        raised = _raised(
+            functools.partial(model.fit, dataset_fn, epochs=1, steps_per_epoch=4, verbose=0)
+        )
+        out[name] = {"raised": raised, "after": _clean_after(model, coordinator)}
+    for name, error in (("user_step", UserError), ("builtin_step", ValueError)):
+        model = _failing_model(strategy, error)
+        raised = _raised(functools.partial(_fit, model, epochs=1))
+        out[name] = {"raised": raised, "after": _clean_after(model, coordinator)}
+    raised = _raised(
+        lambda: coordinator.fetch(coordinator.schedule(_raise_two_part, args=("cannot rebuild",)))
+    )
+    out["unrebuildable"] = {
+        "raised": raised,
+        "join": _raised(coordinator.join),  # the coordinator's error, raised once
+        "join_again": _raised(coordinator.join),
+        "workers": _workers_used(coordinator),
+    }
+    return out
+
+
 # -- cases ---------------------------------------------------------------------------------
 
 
@@ -264,9 +417,19 @@ def case_two_workers() -> dict[str, Any]:
     return out
 
 
+def case_worker_errors() -> dict[str, Any]:
+    with ds.coordinator.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = ds.ParameterServerStrategy(cluster.resolver, timeout_seconds=20)
+        out = {"errors": _attempt(None, lambda: check_worker_errors(strategy))}
+        strategy.shutdown()
+        out["exit_codes"] = cluster.wait(30.0)
+    return out
+
+
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "one_worker": case_one_worker,
     "two_workers": case_two_workers,
+    "worker_errors": case_worker_errors,
 }
 
 

@@ -65,6 +65,12 @@ def two_workers() -> tuple[dict[str, Any], str]:
     return _run("two_workers")
 
 
+@pytest.fixture(scope="module")
+def worker_errors() -> dict[str, Any]:
+    """2 workers, 1 ps: the user's errors raised on worker_1 (#36)."""
+    return _check(_run("worker_errors")[0], "errors")
+
+
 def _close(a: Any, b: Any, tol: float = 1e-5) -> None:
     np.testing.assert_allclose(
         np.asarray(a, dtype=float), np.asarray(b, dtype=float), atol=tol, rtol=tol
@@ -126,6 +132,20 @@ def test_misuse_under_parameter_servers_is_refused_saying_what_to_do(
     assert with_y is not None and "do not pass y" in with_y["message"]
 
 
+@pytest.mark.parametrize("source", ["iterable_dataset", "data_loader", "generator"])
+def test_an_input_without_length_or_steps_per_epoch_is_refused_before_the_first_step(
+    one_worker: tuple[dict[str, Any], str], source: str
+) -> None:
+    check = _check(one_worker[0], "refusals")[f"endless_{source}"]
+    raised = check["raised"]
+    assert raised is not None, f"fit on an endless {source} returned"
+    assert "InvalidArgumentError" in raised["mro"] and "ValueError" in raised["mro"]
+    assert "steps_per_epoch" in raised["message"]
+    assert check["seconds"] < 10  # refused up front, not after training
+    losses = check["with_steps"]  # with steps_per_epoch the same input trains
+    assert len(losses) == 2 and all(np.isfinite(losses)), losses
+
+
 def test_a_normal_exit_prints_no_tensorpipe_warning(
     one_worker: tuple[dict[str, Any], str],
 ) -> None:
@@ -160,6 +180,95 @@ def test_a_worker_killed_during_fit_does_not_lose_the_run(
     assert check["killed"]
     assert len(check["after_kill"]) == 2 and all(np.isfinite(check["after_kill"]))
     assert check["after_kill"][-1] <= check["losses"][-1] * 1.5
+
+
+def test_a_lost_worker_is_logged_with_its_name_and_the_cause(
+    two_workers: tuple[dict[str, Any], str],
+) -> None:
+    _, stderr = two_workers
+    lost = [line for line in stderr.splitlines() if "worker_1 is lost:" in line]
+    assert lost, stderr[-3000:]
+    assert "did not answer a ping" in lost[0] or "cannot be called" in lost[0], lost[0]
+    assert not any("worker_0 is lost" in line for line in stderr.splitlines())
+
+
+# -- the user's errors on a worker (#36) --------------------------------------------------
+
+
+def _named_worker_1(raised: dict[str, Any], where: str) -> None:
+    """The error's note names worker_1 and holds its traceback there, through `where`."""
+    assert raised["notes"], raised
+    note = raised["notes"][-1]
+    assert note.startswith("raised on worker_1; its traceback there:\nTraceback"), note
+    assert f"in {where}" in note, note
+
+
+@pytest.mark.parametrize(
+    ("case", "where"),
+    [("user_dataset_fn", "_user_error_dataset_fn"), ("user_step", "train_step")],
+)
+def test_the_users_own_exception_class_raised_on_a_worker_is_rebuilt_on_the_chief(
+    worker_errors: dict[str, Any], case: str, where: str
+) -> None:
+    raised = worker_errors[case]["raised"]
+    assert raised is not None, f"fit returned although worker_1 raised ({case})"
+    assert raised["is_user_error"], raised  # the chief's own class: `except UserError` works
+    expected = "no shard 1 of 2" if case == "user_dataset_fn" else "a bad batch on worker_1"
+    assert raised["message"] == expected
+    _named_worker_1(raised, where)
+
+
+@pytest.mark.parametrize(
+    ("case", "where"),
+    [("builtin_dataset_fn", "_value_error_dataset_fn"), ("builtin_step", "train_step")],
+)
+def test_a_builtin_error_on_worker_1_keeps_its_type_and_names_the_worker_with_its_traceback(
+    worker_errors: dict[str, Any], case: str, where: str
+) -> None:
+    raised = worker_errors[case]["raised"]
+    assert raised is not None, f"fit returned although worker_1 raised ({case})"
+    assert raised["mro"] == _VALUE_ERROR_MRO
+    assert raised["message"] in ("no shard 1", "a bad batch on worker_1")
+    _named_worker_1(raised, where)
+
+
+@pytest.mark.parametrize(
+    "case", ["user_dataset_fn", "user_step", "builtin_dataset_fn", "builtin_step"]
+)
+def test_after_a_workers_error_nothing_is_stale_and_every_worker_is_still_used(
+    worker_errors: dict[str, Any], case: str
+) -> None:
+    after = worker_errors[case]["after"]
+    assert after["evaluate"] is None, f"evaluate raised a stale error: {after['evaluate']}"
+    assert after["join"] is None, f"join raised a stale error: {after['join']}"
+    assert after["workers"] == ["worker_0", "worker_1"]
+    assert worker_errors["workers_before"] == ["worker_0", "worker_1"]
+
+
+def test_an_error_the_chief_cannot_rebuild_is_a_remote_error_naming_type_message_and_worker(
+    worker_errors: dict[str, Any],
+) -> None:
+    check = worker_errors["unrebuildable"]
+    raised = check["raised"]
+    assert raised is not None, "fetch returned although the closure raised"
+    # the library's error, and still the ValueError the original is
+    assert raised["mro"][:2] == ["RemoteValueError", "RemoteError"]
+    assert {"DistributeError", "ValueError"} <= set(raised["mro"])
+    remote = raised["remote"]
+    task = remote["task"]
+    assert task in ("worker_0", "worker_1")
+    assert remote["type_name"] == "__main__.TwoPartError"
+    assert remote["remote_message"] == f"code 7: cannot rebuild on {task}"
+    assert "in _raise_two_part" in remote["remote_traceback"]
+    assert f"TwoPartError raised on {task}: code 7" in raised["message"]
+    assert raised["notes"] and raised["notes"][-1].startswith(f"raised on {task};")
+    # raised once by the coordinator, then nothing; both workers still run closures
+    assert check["join"] is not None and check["join"]["type"] == "RemoteValueError"
+    assert check["join_again"] is None
+    assert check["workers"] == ["worker_0", "worker_1"]
+
+
+_VALUE_ERROR_MRO = ["ValueError", "Exception", "BaseException", "object"]
 
 
 def test_the_parameter_server_example_exits_without_tensorpipe_warnings() -> None:
