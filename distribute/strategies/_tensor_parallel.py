@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -58,7 +59,14 @@ import torch
 
 from distribute import _torch
 from distribute.errors import InvalidArgumentError
-from distribute.strategies._layout import LayoutMap, TensorLayout, resolve_layouts, shard_dims
+from distribute.strategies._layout import (
+    LayoutMap,
+    TensorLayout,
+    map_paths,
+    resolve_layouts,
+    shard_dims,
+    unmatched_keys,
+)
 from distribute.strategies._optimizer_watch import OptimizerWatch
 
 if TYPE_CHECKING:
@@ -71,6 +79,7 @@ __all__ = [
     "Style",
     "choose_styles",
     "plain_is_replicated",
+    "warn_unmatched",
 ]
 
 
@@ -353,6 +362,8 @@ class LaidOutModules:
         self._parents = weakref.WeakKeyDictionary()
         for root in roots:
             self._lay_out(root)
+        if roots and self._world.rank == 0:
+            warn_unmatched(self._layout_map, [p for root in roots for p in map_paths(root)])
 
     def _lay_out(self, root: torch.nn.Module) -> None:
         plan = self._plan
@@ -489,6 +500,21 @@ class LaidOutModules:
         finally:
             for root in roots:
                 root.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def warn_unmatched(layout_map: LayoutMap, paths: Sequence[str]) -> None:
+    """A warning for each key of ``layout_map`` that no path in ``paths`` matches (a
+    typo, or a key written for the old `re.search` rule), naming the nearest paths: the
+    variables it was meant for stay whole on every worker."""
+    for key, nearest in unmatched_keys(layout_map, paths).items():
+        warnings.warn(
+            f"LayoutMap key {key!r} matches no variable of the model laid out (keys match "
+            f"the whole path, re.fullmatch); the nearest paths are {nearest}. Variables "
+            "no key matches stay whole on every worker: correct the key (a key written "
+            "for re.search, matching part of a path, gets a leading '.*')",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 def _slots(
