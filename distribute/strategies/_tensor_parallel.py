@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from distribute import _torch
 from distribute.errors import InvalidArgumentError
@@ -78,6 +79,7 @@ __all__ = [
     "MeshPlan",
     "Style",
     "choose_styles",
+    "lay_out_loaded_values",
     "plain_is_replicated",
     "warn_unmatched",
 ]
@@ -225,6 +227,7 @@ class GlobalView:
 
         stack = contextlib.ExitStack()
         stack.enter_context(plain_is_replicated())
+        stack.enter_context(_EmptySkippedInCat())
         if self._cpu:
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -256,6 +259,41 @@ class GlobalView:
         return _torch.tree_map_only(DTensor, lambda t: t.full_tensor(), output)
 
 
+class _EmptySkippedInCat(TorchFunctionMode):
+    """Inside the outermost call, ``torch.cat`` skips an empty 1-D plain tensor among
+    DTensors, as plain torch skips it (its legacy rule for ``torch.tensor([])``).
+
+    transformers' ``DynamicCache`` starts every layer's keys and values from
+    ``torch.tensor([])`` and ``torch.cat``s the new ones onto it; taken as a replicated
+    DTensor (implicit replication), the empty 1-D tensor made DTensor split it along
+    the keys' sharded head dimension (``IndexError: Dimension out of range``).
+    """
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func in _CATS and args and isinstance(args[0], (list, tuple)):
+            from torch.distributed.tensor import DTensor
+
+            tensors = args[0]
+            if any(isinstance(t, DTensor) for t in tensors):
+                kept = [
+                    t
+                    for t in tensors
+                    if isinstance(t, DTensor) or not (t.dim() == 1 and t.numel() == 0)
+                ]
+                if len(kept) != len(tensors):
+                    args = (kept, *args[1:])
+        return func(*args, **(kwargs or {}))
+
+
+_CATS = (torch.cat, torch.concat, torch.concatenate)
+
+
 @contextlib.contextmanager
 def plain_is_replicated() -> Iterator[None]:
     """DTensor takes a plain tensor that meets a DTensor as replicated inside the block,
@@ -281,6 +319,25 @@ def _grad_sums_here(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any
         return None
     fresh = DTensor.from_local(x.to_local(), x.device_mesh, x.placements, run_check=False)
     return (fresh, *args[1:])
+
+
+def _partial_sums_here(module: torch.nn.Module, args: Any, output: Any) -> Any:
+    """After an embedding that propagates (a tied one, split along the vocabulary): its
+    partial output (DTensor's ``_MaskPartial``, which can finish its sum only once: a
+    second reader raised a bare ``AssertionError``) is summed here, in one all-reduce,
+    as torch's ``RowwiseParallel`` sums it, so any number of consumers may read it
+    (RMSNorm reads it twice)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(output, DTensor) or not any(p.is_partial() for p in output.placements):
+        return None
+    placements = [Replicate() if p.is_partial() else p for p in output.placements]
+    summed = output.redistribute(output.device_mesh, placements)
+    # A fresh DTensor of the sum: its gradient (a partial sum when a consumer such as a
+    # tied head leaves one) is summed at its from_local, so the redistribution's own
+    # backward meets a whole gradient (partial-to-masked-partial is not a conversion
+    # DTensor has).
+    return DTensor.from_local(summed.to_local(), output.device_mesh, placements, run_check=False)
 
 
 class LaidOutModules:
@@ -409,6 +466,7 @@ class LaidOutModules:
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
         mesh = self._plan.model_mesh
+        holders: set[torch.nn.Module] = set()
         for tensor, places in slots.values():
             first_path = places[0][2]  # tied paths share one layout (resolve_layouts)
             dims = shard_dims(layouts.get(first_path), self._plan.model_axes)
@@ -427,6 +485,9 @@ class LaidOutModules:
                     module._parameters[name] = new  # type: ignore[assignment]  # a DTensor Parameter
                 else:
                     module._buffers[name] = new
+                if module not in holders:
+                    holders.add(module)
+                    module.register_load_state_dict_pre_hook(lay_out_loaded_values)  # type: ignore[no-untyped-call]  # torch leaves it untyped
 
     def _apply_styles(self, root: torch.nn.Module, layouts: dict[str, TensorLayout | None]) -> None:
         from torch.distributed.tensor.parallel import (
@@ -448,6 +509,8 @@ class LaidOutModules:
                 parallelize_module(
                     module, mesh, RowwiseParallel(use_local_output=False), src_data_rank=None
                 )
+            elif isinstance(module, torch.nn.Embedding):
+                module.register_forward_hook(_partial_sums_here)
         assert self._view is not None
         for module in root.modules():
             self._view.attach(module)
@@ -500,6 +563,40 @@ class LaidOutModules:
         finally:
             for root in roots:
                 root.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def lay_out_loaded_values(
+    module: torch.nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    *_: Any,
+) -> None:
+    """A ``load_state_dict`` pre-hook on each module holding laid-out variables: a whole
+    (plain) value for one of them becomes a DTensor of the variable's layout, each worker
+    keeping its part (no communication: every worker loads the same whole values, as
+    from one file), so torch's ``copy_`` meets two DTensors instead of refusing the mix
+    (``aten.copy_.default got mixed torch.Tensor and DTensor``) after half the model had
+    loaded. A value of another shape is left as it is: torch names the mismatch. Only
+    ``state_dict``, torch's copy of the caller's, is changed."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, variable in [*module._parameters.items(), *module._buffers.items()]:
+        key = prefix + name
+        value = state_dict.get(key)
+        if (
+            not isinstance(variable, DTensor)
+            or not isinstance(value, torch.Tensor)
+            or isinstance(value, DTensor)
+            or value.shape != variable.shape
+        ):
+            continue
+        local = variable.to_local()
+        state_dict[key] = distribute_tensor(
+            value.detach().to(device=local.device, dtype=local.dtype),
+            variable.device_mesh,
+            variable.placements,
+            src_data_rank=None,
+        )
 
 
 def warn_unmatched(layout_map: LayoutMap, paths: Sequence[str]) -> None:
