@@ -79,6 +79,7 @@ __all__ = [
     "MeshPlan",
     "Style",
     "choose_styles",
+    "is_conv1d",
     "lay_out_loaded_values",
     "plain_is_replicated",
     "warn_unmatched",
@@ -166,7 +167,24 @@ def _torch_style(
             return Style.ROWWISE
         if weight == (None, axis):
             return Style.COLWISE
+    if is_conv1d(m):  # weight (in, out): the Linear's layouts transposed
+        if weight == (None, axis) and (not has_bias or bias == (axis,)):
+            return Style.COLWISE
+        if weight == (axis, None) and (not has_bias or bias in (None, (None,))):
+            return Style.ROWWISE
     return None
+
+
+def is_conv1d(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is transformers' ``Conv1D`` (GPT-2's projections: a linear
+    layer whose weight is ``(in_features, out_features)``, ``x @ weight + bias``), found
+    without importing transformers."""
+    cls = type(module)
+    return (
+        cls.__name__ == "Conv1D"
+        and cls.__module__.startswith("transformers.")
+        and hasattr(module, "nf")
+    )
 
 
 @dataclass(frozen=True)
@@ -319,6 +337,28 @@ def _grad_sums_here(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any
         return None
     fresh = DTensor.from_local(x.to_local(), x.device_mesh, x.placements, run_check=False)
     return (fresh, *args[1:])
+
+
+def _transposed_style(module: torch.nn.Module, style: Style) -> None:
+    """torch's column- or row-parallel style on a ``Conv1D`` (weight ``(in, out)``),
+    whose variables are laid out already: the column-parallel layer sums its input's
+    gradient at its input (`_grad_sums_here`), the row-parallel one its partial output
+    at its output, as torch's styles do for an ``nn.Linear`` (the same collectives)."""
+    if style is Style.COLWISE:
+        module.register_forward_pre_hook(_grad_sums_here, prepend=True)
+    else:
+        module.register_forward_hook(_output_summed)
+
+
+def _output_summed(module: torch.nn.Module, args: Any, output: Any) -> Any:
+    """A row-parallel layer's partial output summed in one all-reduce (its backward
+    passes the whole gradient through, as torch's ``RowwiseParallel``)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(output, DTensor) or not any(p.is_partial() for p in output.placements):
+        return None
+    placements = [Replicate() if p.is_partial() else p for p in output.placements]
+    return output.redistribute(output.device_mesh, placements)
 
 
 def _partial_sums_here(module: torch.nn.Module, args: Any, output: Any) -> Any:
@@ -500,7 +540,9 @@ class LaidOutModules:
         mesh = self._plan.model_mesh
         for path, style in styles.items():
             module = root.get_submodule(path)
-            if style is Style.COLWISE:
+            if is_conv1d(module) and style is not Style.PROPAGATE:
+                _transposed_style(module, style)
+            elif style is Style.COLWISE:
                 parallelize_module(
                     module, mesh, ColwiseParallel(use_local_output=False), src_data_rank=None
                 )

@@ -10,7 +10,9 @@ and (2, 2) meshes, and ``generate()`` gives one process's tokens; ``load_state_d
 whole (plain) tensors on a laid-out model lays each one out (a bare network and one
 wrapped in ``ds.Model``); a network wrapped in ``ds.Model`` in the scope is laid out by
 its own paths; a key that matches no variable is warned about on the chief, naming the
-nearest paths.
+nearest paths; GPT-2's ``Conv1D`` (weight ``(in, out)``) laid out column- then
+row-parallel costs the collectives of the same ``nn.Linear`` pair, and a tiny
+``GPT2LMHeadModel`` (tied vocabulary split too) trains as one process.
 
 One launch per world size (2 and 4 workers), shared by the tests.
 """
@@ -38,6 +40,37 @@ VOCAB, STEPS, GLOBAL_BATCH, SEQ = 32, 3, 4, 6
 _KEEP: list[Any] = []
 
 # -- Llama ---------------------------------------------------------------------------------------
+
+
+def build(kind: str, tied: bool) -> torch.nn.Module:
+    """A tiny LlamaForCausalLM, or (kind "gpt2") a GPT2LMHeadModel: its projections are
+    transformers' Conv1D, its head tied to the token embedding, dropout off."""
+    import transformers
+
+    if kind == "gpt2":
+        gpt2 = transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=16,
+            n_embd=16,
+            n_layer=2,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+        return transformers.GPT2LMHeadModel(gpt2)
+    return transformers.LlamaForCausalLM(config(tied))
+
+
+def gpt2_layout_map(shape: tuple[int, int]) -> ds.experimental.LayoutMap:
+    """Conv1D weights are (in, out): column-parallel is (None, "model")."""
+    layouts = ds.experimental.LayoutMap(ds.experimental.DeviceMesh(shape, ("batch", "model")))
+    layer = r"transformer\.h\.\d+\."
+    layouts[layer + r"(attn\.c_attn|mlp\.c_fc)\.weight"] = (None, "model")
+    layouts[layer + r"(attn\.c_attn|mlp\.c_fc)\.bias"] = ("model",)
+    layouts[layer + r"(attn|mlp)\.c_proj\.weight"] = ("model", None)
+    layouts[r"transformer\.wte\.weight|lm_head\.weight"] = ("model", None)  # tied
+    return layouts
 
 
 def config(tied: bool) -> Any:
@@ -110,11 +143,9 @@ def _whole(value: torch.Tensor) -> torch.Tensor:
     return value.detach().clone().cpu()
 
 
-def reference(tied: bool, name: str) -> dict[str, Any]:
-    from transformers import LlamaForCausalLM
-
+def reference(tied: bool, name: str, kind: str = "llama") -> dict[str, Any]:
     torch.manual_seed(100)
-    model = LlamaForCausalLM(config(tied))
+    model = build(kind, tied)
     opt = optimizer(name, model.parameters())
     ids = data()
     losses = []
@@ -134,14 +165,13 @@ def reference(tied: bool, name: str) -> dict[str, Any]:
     }
 
 
-def parallel(shape: tuple[int, int], tied: bool, name: str) -> dict[str, Any]:
-    from transformers import LlamaForCausalLM
-
-    strategy = ds.experimental.ModelParallelStrategy(layout_map(shape))
+def parallel(shape: tuple[int, int], tied: bool, name: str, kind: str = "llama") -> dict[str, Any]:
+    layouts = gpt2_layout_map(shape) if kind == "gpt2" else layout_map(shape)
+    strategy = ds.experimental.ModelParallelStrategy(layouts)
     _KEEP.append(strategy)
     torch.manual_seed(100 + int(os.environ.get("RANK", "0")))  # the chief's values win
     with strategy.scope():
-        model = LlamaForCausalLM(config(tied))
+        model = build(kind, tied)
         opt = optimizer(name, model.parameters())
     ids = data()
     loader = torch.utils.data.DataLoader(ids, batch_size=GLOBAL_BATCH)
@@ -224,6 +254,48 @@ def _unmatched_keys_warned() -> list[str]:
     return [str(w.message) for w in record if "LayoutMap key" in str(w.message)]
 
 
+# -- Conv1D's collectives --------------------------------------------------------------------------
+
+
+def _collectives_per_step() -> dict[str, tuple[int, int]]:
+    """Two column- then row-parallel pairs with a LayerNorm between them, as nn.Linear
+    and as transformers' Conv1D (the same layouts, transposed): the collectives of a
+    forward and of a backward pass, counted by DTensor's CommDebugMode."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    from transformers.pytorch_utils import Conv1D
+
+    counts: dict[str, tuple[int, int]] = {}
+    for kind in ("linear", "conv1d"):
+        layouts = ds.experimental.LayoutMap(ds.experimental.DeviceMesh((1, 2), ("batch", "model")))
+        column, row = ((None, "model"), ("model", None))
+        if kind == "linear":
+            column, row = row, column
+        layouts[r"(0|4)\.weight"] = column
+        layouts[r"(0|4)\.bias"] = ("model",)
+        layouts[r"(2|6)\.weight"] = row
+        strategy = ds.experimental.ModelParallelStrategy(layouts)
+        _KEEP.append(strategy)
+        with strategy.scope():
+            if kind == "linear":
+                up, down = (lambda: torch.nn.Linear(8, 16)), (lambda: torch.nn.Linear(16, 8))
+            else:
+                up, down = (lambda: Conv1D(16, 8)), (lambda: Conv1D(8, 16))
+            model = torch.nn.Sequential(
+                up(), torch.nn.GELU(), down(), torch.nn.LayerNorm(8), up(), torch.nn.GELU(), down()
+            )
+        x = torch.randn(2, 3, 8)
+
+        def step(model: torch.nn.Module = model, x: torch.Tensor = x) -> tuple[int, int]:
+            with CommDebugMode() as forward:
+                y = model(x)
+            with CommDebugMode() as backward:
+                y.sum().backward()
+            return forward.get_total_counts(), backward.get_total_counts()
+
+        counts[kind] = strategy.run(step)
+    return counts
+
+
 # -- the launches --------------------------------------------------------------------------------
 
 
@@ -231,6 +303,8 @@ def _two_workers() -> dict[str, Any]:
     out: dict[str, Any] = {
         "load": _load_whole_values(),
         "unmatched": _unmatched_keys_warned(),
+        "collectives": _collectives_per_step(),
+        "gpt2_sgd": parallel((1, 2), True, "sgd", kind="gpt2"),
     }
     for tied in (False, True):
         for name in ("sgd", "adamw"):
@@ -260,11 +334,13 @@ def references() -> dict[str, dict[str, Any]]:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    return {
+    out = {
         f"llama_{'tied' if tied else 'untied'}_{name}": reference(tied, name)
         for tied in (False, True)
         for name in ("sgd", "adamw")
     }
+    out["gpt2_sgd"] = reference(True, "sgd", kind="gpt2")
+    return out
 
 
 def _assert_matches(result: dict[str, Any], reference: dict[str, Any], atol: float) -> None:
@@ -318,3 +394,19 @@ def test_keys_that_match_no_variable_are_warned_about_on_the_chief_only(
     assert len(chief) == 2, chief
     assert r"'2\\.bi'" in chief[0] and "'2.bias'" in chief[0], chief
     assert r"'0\\.wieght'" in chief[1] and "'0.weight'" in chief[1], chief
+
+
+def test_gpt2_s_conv1d_takes_the_column_row_path_with_linear_s_collectives(
+    two_workers: list[dict[str, Any]],
+) -> None:
+    for worker in two_workers:
+        counts = worker["collectives"]
+        assert counts["conv1d"] == counts["linear"], counts
+        assert counts["linear"] == (2, 1), counts  # a row output each; one input gradient
+
+
+def test_gpt2_with_conv1d_and_a_tied_split_vocabulary_trains_as_one_process_on_1x2(
+    two_workers: list[dict[str, Any]], references: dict[str, Any]
+) -> None:
+    for worker in two_workers:
+        _assert_matches(worker["gpt2_sgd"], references["gpt2_sgd"], 1e-5)

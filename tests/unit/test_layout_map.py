@@ -421,3 +421,22 @@ def test_keras_get_tensor_layout_by_path() -> None:
     layout = layout_map["/model/layer/tensor"]
     assert layout.device_mesh is layout_map.device_mesh and layout.axes == ("data", None)
     assert layout_map["/model/layer/other_tensor"] is None
+
+
+def test_transformers_conv1d_takes_the_linear_styles_with_its_layouts_transposed() -> None:
+    from transformers.pytorch_utils import Conv1D  # weight (in, out)
+
+    mlp = torch.nn.Sequential(Conv1D(8, 4), torch.nn.GELU(), Conv1D(4, 8))
+    layout_map = _map()
+    layout_map[r"0\.weight"] = (None, "model")
+    layout_map[r"0\.bias"] = ("model",)
+    layout_map[r"2\.weight"] = ("model", None)
+    styles = choose_styles(mlp, resolve_layouts(layout_map, mlp), ("model",))
+    assert styles == {"0": Style.COLWISE, "2": Style.ROWWISE}
+    linear_layouts = _map()
+    linear_layouts[r"0\.weight"] = ("model", None)  # a Linear's column layout: on (in, out)
+    resolved = resolve_layouts(linear_layouts, mlp)  # it splits the input: row-parallel
+    assert choose_styles(mlp, resolved, ("model",)) == {"0": Style.ROWWISE}
+    linear_layouts[r"0\.bias"] = ("model",)  # a split bias under a row split: propagates
+    resolved = resolve_layouts(linear_layouts, mlp)
+    assert choose_styles(mlp, resolved, ("model",)) == {"0": Style.PROPAGATE}
