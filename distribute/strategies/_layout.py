@@ -39,6 +39,7 @@ __all__ = [
     "TensorLayout",
     "network_path",
     "resolve_layouts",
+    "resolve_output_layouts",
     "shard_dims",
     "unmatched_keys",
 ]
@@ -455,12 +456,44 @@ def network_path(path: str, strip: str) -> str:
 
 
 def map_paths(module: torch.nn.Module, *, buffers: bool = True) -> list[str]:
-    """Every variable path of ``module`` as the layout map sees it (`network_path`)."""
+    """Every path of ``module`` a key may name, as the layout map sees it
+    (`network_path`): its variables', then each submodule's output
+    (``"<module path>/output"``)."""
     strip = _wrapper_prefix(module)
     named = [p for p, _ in module.named_parameters(remove_duplicate=False)]
     if buffers:
         named += [p for p, _ in module.named_buffers(remove_duplicate=False)]
+    named += [f"{p}{OUTPUT}" for p, _ in module.named_modules() if p and f"{p}." != strip]
     return [network_path(p, strip) for p in named]
+
+
+#: The suffix of a key that lays out a module's output, as Keras spells it.
+OUTPUT = "/output"
+
+
+def resolve_output_layouts(
+    layout_map: LayoutMap, module: torch.nn.Module
+) -> dict[str, TensorLayout]:
+    """The submodules (by path relative to ``module``) whose output the map lays out:
+    a key matching ``"<module path>/output"`` (the path as the map sees it, Keras's
+    output layouts), with the layout.
+
+    Example:
+        >>> import torch
+        >>> layout_map = LayoutMap(DeviceMesh((1, 2), ("batch", "model")))
+        >>> layout_map[r"\\d+/output"] = ("batch", None, "model")
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        >>> resolve_output_layouts(layout_map, net)
+        {'0': TensorLayout(('batch', None, 'model')), '1': TensorLayout(('batch', None, 'model'))}
+    """
+    strip = _wrapper_prefix(module)
+    found: dict[str, TensorLayout] = {}
+    for path, _ in module.named_modules():
+        if not path or f"{path}." == strip:  # the root, or the network ds.Model wraps
+            continue
+        if (layout := layout_map[network_path(path, strip) + OUTPUT]) is not None:
+            found[path] = layout
+    return found
 
 
 def unmatched_keys(layout_map: LayoutMap, paths: Sequence[str]) -> dict[str, list[str]]:

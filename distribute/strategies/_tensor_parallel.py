@@ -65,6 +65,7 @@ from distribute.strategies._layout import (
     TensorLayout,
     map_paths,
     resolve_layouts,
+    resolve_output_layouts,
     shard_dims,
     unmatched_keys,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "GlobalView",
     "LaidOutModules",
     "MeshPlan",
+    "OutputLayout",
     "Style",
     "choose_styles",
     "is_conv1d",
@@ -327,16 +329,69 @@ def plain_is_replicated() -> Iterator[None]:
 def _grad_sums_here(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """Before a column-parallel layer: a replicated DTensor input becomes a fresh one of
     the same local tensor, whose gradient (partial sums) is summed here, once, as torch
-    does for a plain input (NOTE [model parallel layout])."""
-    from torch.distributed.tensor import DTensor
+    does for a plain input (NOTE [model parallel layout]). An input split along the
+    sequence (an output layout, sequence-parallel style) is gathered here (one
+    all-gather; its gradient is reduce-scattered back), as torch's ``SequenceParallel``
+    hands its output to a ``ColwiseParallel(input_layouts=Shard(1))``: a split input
+    met by the split weight would leave DTensor to choose, and the model's reshapes
+    then met a split sequence."""
+    from torch.distributed.tensor import DTensor, Replicate
 
     if not args or not isinstance(args[0], DTensor):
         return None
     x = args[0]
     if not all(p.is_replicate() for p in x.placements):
-        return None
+        if any(p.is_partial() for p in x.placements):
+            return None
+        whole = x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim)
+        return (whole, *args[1:])
     fresh = DTensor.from_local(x.to_local(), x.device_mesh, x.placements, run_check=False)
     return (fresh, *args[1:])
+
+
+class OutputLayout:
+    """A forward hook constraining a module's output to its layout (a key
+    ``"<module path>/output"``, as Keras's ``ModelParallel``): the output DTensor (or a
+    tuple's first element) is redistributed to ``Shard(d)`` along each model axis the
+    layout names for dimension ``d``, ``Replicate()`` along the others; the batch axis
+    (the rows, split across replicas by the input) is already laid out. E.g.
+    ``("batch", "model", None)`` on a block's ``(B, T, D)`` output keeps the residual
+    stream split along the sequence between blocks (sequence-parallel style).
+
+    Args:
+        path: the module's path (for errors).
+        layout: the output's layout, one entry per dimension.
+        model_axes: the mesh's model axes, in the model sub-mesh's order.
+    """
+
+    def __init__(self, path: str, layout: TensorLayout, model_axes: Sequence[str]) -> None:
+        self._path = path
+        self._layout = layout
+        self._dims = shard_dims(layout, model_axes)
+
+    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(output, DTensor):
+            return self._constrain(output)
+        if isinstance(output, tuple) and output and isinstance(output[0], DTensor):
+            return (self._constrain(output[0]), *output[1:])
+        return None
+
+    def _constrain(self, output: Any) -> Any:
+        from torch.distributed.tensor import Replicate, Shard
+
+        if len(self._layout.axes) != output.dim():
+            raise InvalidArgumentError(
+                f"the output layout of {self._path!r} is {self._layout.axes}, with "
+                f"{len(self._layout.axes)} entries, but its output has {output.dim()} "
+                f"dimensions (shape {tuple(output.shape)}); give one mesh axis or None per "
+                "dimension of the output"
+            )
+        placements = [Replicate() if d is None else Shard(d) for d in self._dims]
+        if list(output.placements) == placements:
+            return output
+        return output.redistribute(output.device_mesh, placements)
 
 
 def _transposed_style(module: torch.nn.Module, style: Style) -> None:
@@ -553,6 +608,9 @@ class LaidOutModules:
                 )
             elif isinstance(module, torch.nn.Embedding):
                 module.register_forward_hook(_partial_sums_here)
+        for path, layout in resolve_output_layouts(self._layout_map, root).items():
+            constrain = OutputLayout(path, layout, self._plan.model_axes)
+            root.get_submodule(path).register_forward_hook(constrain)
         assert self._view is not None
         for module in root.modules():
             self._view.attach(module)

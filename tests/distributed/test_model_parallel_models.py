@@ -165,8 +165,13 @@ def reference(tied: bool, name: str, kind: str = "llama") -> dict[str, Any]:
     }
 
 
-def parallel(shape: tuple[int, int], tied: bool, name: str, kind: str = "llama") -> dict[str, Any]:
+def parallel(
+    shape: tuple[int, int], tied: bool, name: str, kind: str = "llama", outputs: bool = False
+) -> dict[str, Any]:
     layouts = gpt2_layout_map(shape) if kind == "gpt2" else layout_map(shape)
+    if outputs:  # Keras's output layouts: sequence-parallel between the decoder layers
+        layouts[r"model\.layers\.\d+/output"] = ("batch", "model", None)
+        layouts[r"model\.layers\.\d+\.mlp\.up_proj/output"] = ("batch", None, "model")
     strategy = ds.experimental.ModelParallelStrategy(layouts)
     _KEEP.append(strategy)
     torch.manual_seed(100 + int(os.environ.get("RANK", "0")))  # the chief's values win
@@ -183,12 +188,19 @@ def parallel(shape: tuple[int, int], tied: bool, name: str, kind: str = "llama")
         opt.zero_grad()
         return loss.detach()
 
+    seen: list[str] = []  # the placement of the first decoder layer's output
+    model.get_submodule(
+        "model.layers.0" if kind == "llama" else "transformer.h.0"
+    ).register_forward_hook(
+        lambda module, args, out: seen.append(str(out.placements[0])) if not seen else None
+    )
     losses = []
     for batch in strategy.experimental_distribute_dataset(loader):
         losses.append(float(strategy.reduce("sum", strategy.run(step, args=(batch,)), axis=None)))
     with torch.no_grad():
         tokens = _generate(model)  # outside run, as a user calls it
     return {
+        "output_placements": seen,
         "losses": losses,
         "state": {k: _whole(v) for k, v in model.state_dict().items()},
         "tokens": tokens,
@@ -301,6 +313,7 @@ def _collectives_per_step() -> dict[str, tuple[int, int]]:
 
 def _two_workers() -> dict[str, Any]:
     out: dict[str, Any] = {
+        "llama_outputs_sgd": parallel((1, 2), False, "sgd", outputs=True),
         "load": _load_whole_values(),
         "unmatched": _unmatched_keys_warned(),
         "collectives": _collectives_per_step(),
@@ -314,6 +327,7 @@ def _two_workers() -> dict[str, Any]:
 
 def _four_workers() -> dict[str, Any]:
     return {
+        "llama_outputs_adamw": parallel((2, 2), False, "adamw", outputs=True),
         "llama_untied_adamw": parallel((2, 2), False, "adamw"),
         "llama_tied_sgd": parallel((2, 2), True, "sgd"),
     }
@@ -410,3 +424,18 @@ def test_gpt2_with_conv1d_and_a_tied_split_vocabulary_trains_as_one_process_on_1
 ) -> None:
     for worker in two_workers:
         _assert_matches(worker["gpt2_sgd"], references["gpt2_sgd"], 1e-5)
+
+
+def test_output_layouts_split_the_activations_and_train_as_one_process(
+    two_workers: list[dict[str, Any]],
+    four_workers: list[dict[str, Any]],
+    references: dict[str, Any],
+) -> None:
+    """Keras's "<layer path>/output" keys: each decoder layer's output split along the
+    sequence (("batch", "model", None)), up_proj's along its features."""
+    for worker in two_workers:
+        _assert_matches(worker["llama_outputs_sgd"], references["llama_untied_sgd"], 1e-5)
+        assert worker["llama_outputs_sgd"]["output_placements"] == ["S(1)"]
+        assert worker["llama_untied_sgd"]["output_placements"] == ["R"]
+    for worker in four_workers:
+        _assert_matches(worker["llama_outputs_adamw"], references["llama_untied_adamw"], 5e-5)

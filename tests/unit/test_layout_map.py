@@ -11,7 +11,13 @@ import pytest
 import torch
 
 import distribute as ds
-from distribute.strategies._layout import map_paths, resolve_layouts, shard_dims, unmatched_keys
+from distribute.strategies._layout import (
+    map_paths,
+    resolve_layouts,
+    resolve_output_layouts,
+    shard_dims,
+    unmatched_keys,
+)
 from distribute.strategies._tensor_parallel import Style, choose_styles, warn_unmatched
 
 DeviceMesh = ds.experimental.DeviceMesh
@@ -440,3 +446,23 @@ def test_transformers_conv1d_takes_the_linear_styles_with_its_layouts_transposed
     linear_layouts[r"0\.bias"] = ("model",)  # a split bias under a row split: propagates
     resolved = resolve_layouts(linear_layouts, mlp)
     assert choose_styles(mlp, resolved, ("model",)) == {"0": Style.PROPAGATE}
+
+
+# -- output layouts (Keras's "<layer path>/output") ----------------------------------------------
+
+
+def test_an_output_key_names_a_module_s_output_and_no_variable() -> None:
+    layout_map = _map()
+    layout_map[r"blocks\.\d+/output"] = ("batch", "model", None)
+    layout_map[r"blocks\.0\.up/output"] = ("batch", None, "model")
+    layout_map[r"blokcs\.\d+/output"] = ("batch", "model", None)  # a typo
+    net = Net()
+    assert resolve_output_layouts(layout_map, net) == {
+        "blocks.0": TensorLayout(("batch", "model", None), layout_map.device_mesh),
+        "blocks.0.up": TensorLayout(("batch", None, "model"), layout_map.device_mesh),
+        "blocks.1": TensorLayout(("batch", "model", None), layout_map.device_mesh),
+    }
+    wrapped = resolve_output_layouts(layout_map, ds.Model(net))
+    assert sorted(wrapped) == ["module.blocks.0", "module.blocks.0.up", "module.blocks.1"]
+    assert all(layout is None for layout in resolve_layouts(layout_map, net).values())
+    assert list(unmatched_keys(layout_map, map_paths(net))) == [r"blokcs\.\d+/output"]
