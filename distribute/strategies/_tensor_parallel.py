@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import threading
 import warnings
 import weakref
@@ -583,6 +584,9 @@ class LaidOutModules:
                 if module not in holders:
                     holders.add(module)
                     module.register_load_state_dict_pre_hook(lay_out_loaded_values)  # type: ignore[no-untyped-call]  # torch leaves it untyped
+        # The root's runs first and lays out every whole value (or refuses) before any copy.
+        whole_tree = functools.partial(lay_out_loaded_values, subtree=True)
+        root.register_load_state_dict_pre_hook(whole_tree)  # type: ignore[no-untyped-call]  # torch leaves it untyped
 
     def _apply_styles(self, root: torch.nn.Module, layouts: dict[str, TensorLayout | None]) -> None:
         from torch.distributed.tensor.parallel import (
@@ -670,18 +674,27 @@ def lay_out_loaded_values(
     state_dict: dict[str, Any],
     prefix: str,
     *_: Any,
+    subtree: bool = False,
 ) -> None:
-    """A ``load_state_dict`` pre-hook on each module holding laid-out variables: a whole
-    (plain) value for one of them becomes a DTensor of the variable's layout, each worker
-    keeping its part (no communication: every worker loads the same whole values, as
-    from one file), so torch's ``copy_`` meets two DTensors instead of refusing the mix
-    (``aten.copy_.default got mixed torch.Tensor and DTensor``) after half the model had
-    loaded. A value of another shape is left as it is: torch names the mismatch. Only
-    ``state_dict``, torch's copy of the caller's, is changed."""
+    """A ``load_state_dict`` pre-hook on each laid-out root and on each module holding
+    laid-out variables: a whole (plain) value for one of the variables below the module
+    becomes a DTensor of the variable's layout, each worker keeping its part (no
+    communication: every worker loads the same whole values, as from one file), so
+    torch's ``copy_`` meets two DTensors instead of refusing the mix (``aten.copy_.default
+    got mixed torch.Tensor and DTensor``) after half the model had loaded. The root's
+    hook runs before any module copies, so a value that cannot be laid out is refused
+    before anything changed. A value of another shape is left as it is: torch names
+    the mismatch. Only ``state_dict``, torch's copy of the caller's, is changed."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    for name, variable in [*module._parameters.items(), *module._buffers.items()]:
-        key = prefix + name
+    named: list[tuple[str, Any]] = [*module._parameters.items(), *module._buffers.items()]
+    if subtree:  # a laid-out root: every variable below it
+        named = [
+            *module.named_parameters(remove_duplicate=False),
+            *module.named_buffers(remove_duplicate=False),
+        ]
+    for path, variable in named:
+        key = prefix + path
         value = state_dict.get(key)
         if (
             not isinstance(variable, DTensor)
@@ -691,12 +704,21 @@ def lay_out_loaded_values(
         ):
             continue
         local = variable.to_local()
-        state_dict[key] = distribute_tensor(
-            value.detach().to(device=local.device, dtype=local.dtype),
-            variable.device_mesh,
-            variable.placements,
-            src_data_rank=None,
-        )
+        try:
+            state_dict[key] = distribute_tensor(
+                value.detach().to(device=local.device, dtype=local.dtype),
+                variable.device_mesh,
+                variable.placements,
+                src_data_rank=None,
+            )
+        except (RuntimeError, ValueError, NotImplementedError) as exc:
+            raise InvalidArgumentError(
+                f"load_state_dict: the whole value of {key!r} (shape {tuple(value.shape)}) "
+                f"cannot be laid out as its variable, placements {variable.placements} "
+                f"({exc}); {'nothing was loaded' if subtree else 'loading stopped here'}. "
+                "Load it in the layout's own form (a ds.Checkpoint, or DTensors of these "
+                "placements)"
+            ) from exc
 
 
 def warn_unmatched(layout_map: LayoutMap, paths: Sequence[str]) -> None:
