@@ -250,7 +250,35 @@ def _load_whole_values() -> dict[str, Any]:
         }
     out["expected"] = expected
     out["whole_unchanged"] = all(torch.equal(whole[k], v) for k, v in source.state_dict().items())
+    out["refused"] = _refused_before_anything_changed(bare, whole)
     return out
+
+
+def _refused_before_anything_changed(model: torch.nn.Module, whole: dict[str, Any]) -> str:
+    """A whole value that cannot be laid out (DTensor refusing "0.bias", simulated):
+    load_state_dict raises before any variable changed ("0.weight" comes first)."""
+    import torch.distributed.tensor as dtensor
+
+    real = dtensor.distribute_tensor
+
+    def refuse_the_bias(value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if value.dim() == 1 and value.shape[0] == 8:
+            raise RuntimeError("simulated: DTensor cannot lay this value out")
+        return real(value, *args, **kwargs)
+
+    before = {k: _whole(v) for k, v in model.state_dict().items()}
+    dtensor.distribute_tensor = refuse_the_bias  # type: ignore[assignment]  # the simulation
+    try:
+        model.load_state_dict({k: v + 1 for k, v in whole.items()})
+    except ds.errors.InvalidArgumentError as exc:
+        message = str(exc)
+    else:
+        message = "<nothing raised>"
+    finally:
+        dtensor.distribute_tensor = real
+    after = {k: _whole(v) for k, v in model.state_dict().items()}
+    unchanged = all(torch.equal(after[k], v) for k, v in before.items())
+    return f"unchanged={unchanged}: {message}"
 
 
 def _unmatched_keys_warned() -> list[str]:
@@ -398,6 +426,15 @@ def test_load_state_dict_of_whole_tensors_lays_each_one_out(
             assert load[name]["equal"], name
             assert load[name]["local_rows"] == (4, 4), name  # (8, 4) split in two
             torch.testing.assert_close(load[name]["output"], load["expected"], rtol=0, atol=1e-6)
+
+
+def test_whole_values_that_cannot_be_laid_out_are_refused_before_anything_changed(
+    two_workers: list[dict[str, Any]],
+) -> None:
+    for worker in two_workers:
+        refused = worker["load"]["refused"]
+        assert refused.startswith("unchanged=True: load_state_dict"), refused
+        assert "'0.bias'" in refused and "nothing was loaded" in refused, refused
 
 
 def test_keys_that_match_no_variable_are_warned_about_on_the_chief_only(
