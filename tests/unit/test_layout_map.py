@@ -18,7 +18,8 @@ from distribute.strategies._layout import (
     shard_dims,
     unmatched_keys,
 )
-from distribute.strategies._tensor_parallel import Style, choose_styles, warn_unmatched
+from distribute.strategies._layout_hooks import warn_unmatched
+from distribute.strategies._tensor_parallel import Style, choose_styles
 
 DeviceMesh = ds.experimental.DeviceMesh
 LayoutMap = ds.experimental.LayoutMap
