@@ -93,12 +93,12 @@ class Transformer(torch.nn.Module):
 def layout_map(shape: tuple[int, int]) -> ds.experimental.LayoutMap:
     """Attention and MLP projections split along "model"; everything else whole."""
     layouts = ds.experimental.LayoutMap(ds.experimental.DeviceMesh(shape, ("batch", "model")))
-    layouts[r"attn\.(q|k|v)\.weight"] = ("model", None)  # torch Linear weight: (out, in)
-    layouts[r"attn\.(q|k|v)\.bias"] = ("model",)
-    layouts[r"attn\.out\.weight"] = (None, "model")
-    layouts[r"mlp\.up\.weight"] = ("model", None)
-    layouts[r"mlp\.up\.bias"] = ("model",)
-    layouts[r"mlp\.down\.weight"] = (None, "model")
+    layouts[r"blocks\.\d+\.attn\.(q|k|v)\.weight"] = ("model", None)  # torch Linear weight: (out, in)
+    layouts[r"blocks\.\d+\.attn\.(q|k|v)\.bias"] = ("model",)
+    layouts[r"blocks\.\d+\.attn\.out\.weight"] = (None, "model")
+    layouts[r"blocks\.\d+\.mlp\.up\.weight"] = ("model", None)
+    layouts[r"blocks\.\d+\.mlp\.up\.bias"] = ("model",)
+    layouts[r"blocks\.\d+\.mlp\.down\.weight"] = (None, "model")
     return layouts
 
 

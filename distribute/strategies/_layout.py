@@ -11,18 +11,20 @@ its layout and names the variable, the layout and the fix when one does not fit.
 Example:
     >>> mesh = DeviceMesh(shape=(2, 4), axis_names=("batch", "model"))
     >>> layout_map = LayoutMap(mesh)
-    >>> layout_map[r"mlp\\.up\\.weight"] = ("model", None)
-    >>> layout_map["mlp.up.weight"].axes
+    >>> layout_map[r".*mlp\\.up\\.weight"] = ("model", None)
+    >>> layout_map["blocks.0.mlp.up.weight"].axes
     ('model', None)
-    >>> layout_map["mlp.down.weight"] is None
+    >>> layout_map["blocks.0.mlp.down.weight"] is None
     True
 """
 
 from __future__ import annotations
 
 import collections
+import difflib
 import math
 import re
+import sys
 from collections.abc import Iterator, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -35,8 +37,11 @@ __all__ = [
     "DeviceMesh",
     "LayoutMap",
     "TensorLayout",
+    "network_path",
     "resolve_layouts",
+    "resolve_output_layouts",
     "shard_dims",
+    "unmatched_keys",
 ]
 
 
@@ -47,19 +52,23 @@ class DeviceMesh:
         shape: the size of each axis, e.g. ``(2, 4)``: 2 replicas of the batch, each
             model split over 4 devices.
         axis_names: one name per axis, e.g. ``("batch", "model")``.
-        devices: the mesh's devices in row-major order, one per worker process (its
-            CUDA device, else its CPU); None: one per worker of the cluster the
-            strategy resolves. Building a mesh needs no process group.
+        devices: the mesh's devices, one per worker process (its CUDA device, else
+            its CPU): a flat list in row-major order, or a grid of the mesh's shape
+            (``np.array(devices).reshape(shape)``, as Keras writes it); None: one per
+            worker of the cluster the strategy resolves. Building a mesh needs no
+            process group.
 
     Raises:
         InvalidArgumentError: an empty shape, a size below 1, names that do not match
-            the shape one to one, or a ``devices`` list whose length is not the mesh's
-            size.
+            the shape one to one, a flat ``devices`` list whose length is not the
+            mesh's size, or a grid of another shape.
 
     Example:
         >>> mesh = DeviceMesh(shape=(1, 2), axis_names=("batch", "model"))
         >>> mesh.size, mesh.axis_names
         (2, ('batch', 'model'))
+        >>> DeviceMesh((2, 2), ("batch", "model"), [["cpu", "cpu"], ["cpu", "cpu"]]).devices
+        ('cpu', 'cpu', 'cpu', 'cpu')
     """
 
     def __init__(
@@ -83,17 +92,9 @@ class DeviceMesh:
             raise InvalidArgumentError(
                 f"DeviceMesh's axis names must differ from each other, got {axis_names}"
             )
-        if devices is not None:
-            devices = tuple(devices)
-            if len(devices) != math.prod(shape):
-                raise InvalidArgumentError(
-                    f"DeviceMesh of shape {shape} holds {math.prod(shape)} devices, but "
-                    f"{len(devices)} were given ({list(devices)}); give one device per "
-                    "worker process, or devices=None"
-                )
         self._shape = shape
         self._axis_names = axis_names
-        self._devices = devices
+        self._devices = None if devices is None else _row_major(devices, shape)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -134,11 +135,56 @@ class DeviceMesh:
         return f"DeviceMesh(shape={self._shape}, axis_names={self._axis_names})"
 
 
+def _row_major(devices: Any, shape: tuple[int, ...]) -> tuple[Any, ...]:
+    """The devices of a flat list or of a grid of the mesh's shape, in row-major order."""
+    size = math.prod(shape)
+    grid = _grid_shape(devices)
+    if len(grid) > 1 and grid != shape:
+        raise InvalidArgumentError(
+            f"DeviceMesh of shape {shape} got a grid of devices of shape {grid}; give a grid "
+            f"of the mesh's shape (np.array(devices).reshape({shape})), a flat list of {size} "
+            "devices, or devices=None"
+        )
+    flat = tuple(_flatten(devices, len(grid)))
+    if len(flat) != size:
+        raise InvalidArgumentError(
+            f"DeviceMesh of shape {shape} holds {size} devices, but {len(flat)} were given "
+            f"({list(flat)}); give one device per worker process, or devices=None"
+        )
+    return flat
+
+
+def _grid_shape(devices: Any) -> tuple[int, ...]:
+    """The shape of a nested list (or numpy array) of devices; a string is one device."""
+    shape = getattr(devices, "shape", None)
+    if shape is not None and not isinstance(devices, str):  # a numpy array
+        return tuple(int(n) for n in shape)
+    dims: list[int] = []
+    level = devices
+    while isinstance(level, Sequence) and not isinstance(level, str):
+        dims.append(len(level))
+        if not level:
+            break
+        level = level[0]
+    return tuple(dims)
+
+
+def _flatten(devices: Any, depth: int) -> Iterator[Any]:
+    if depth <= 1:
+        yield from (
+            d.item() if hasattr(d, "item") and not isinstance(d, str) else d for d in devices
+        )
+        return
+    for row in devices:
+        yield from _flatten(row, depth - 1)
+
+
 class TensorLayout:
     """How one variable lies on a mesh: a mesh axis name (or None) per dimension.
 
     Dimension ``d`` is split along the named axis (``Shard(d)``); a dimension marked
     None, and every mesh axis no dimension names, hold whole copies (``Replicate()``).
+    Two layouts are equal when their axes and their meshes are.
 
     Args:
         axes: one entry per dimension of the variable: a mesh axis name or None.
@@ -190,7 +236,11 @@ class TensorLayout:
         self._device_mesh = mesh
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, TensorLayout) and other._axes == self._axes
+        return (
+            isinstance(other, TensorLayout)
+            and other._axes == self._axes
+            and other._device_mesh == self._device_mesh
+        )
 
     def __hash__(self) -> int:
         return hash(self._axes)
@@ -203,9 +253,13 @@ class LayoutMap(MutableMapping[str, TensorLayout]):
     """Keras's map from variable paths to layouts: keys are regexes.
 
     ``layout_map[path]`` returns the layout of the key equal to ``path``, else of the
-    one key that `re.search`es it, else None (the variable is replicated). Paths are
-    qualified names as ``model.named_parameters()`` and ``named_buffers()`` give them.
-    A tuple (or list) value becomes a `TensorLayout` on the map's mesh.
+    one key that `re.fullmatch`es it (the whole path, as Keras since 3.14, the Keras
+    TensorFlow 2.21 ships), else None (the variable is replicated). A key matches the
+    whole path: ``r".*up\\.weight"`` lays out ``blocks.7.up.weight``, ``r"up\\.weight"``
+    does not (a key written for the old `re.search` rule gets a leading ``.*``). Paths
+    are qualified names as ``model.named_parameters()`` and ``named_buffers()`` give
+    them (the network's own, also when it is wrapped in ``ds.Model``). A tuple (or
+    list) value becomes a `TensorLayout` on the map's mesh.
 
     Args:
         device_mesh: the mesh every layout refers to.
@@ -242,8 +296,8 @@ class LayoutMap(MutableMapping[str, TensorLayout]):
         if len(keys) > 1:
             raise InvalidArgumentError(
                 f"variable {path!r} matches several LayoutMap keys: {keys}; each path may "
-                "match at most one key: make the regexes more specific (anchor them, e.g. "
-                "r'^blocks\\.\\d+\\.up\\.weight$')"
+                "match at most one key (re.fullmatch): make the regexes more specific, e.g. "
+                "r'blocks\\.\\d+\\.up\\.weight' rather than r'.*up.*'"
             )
         return self._layouts[keys[0]] if keys else None
 
@@ -296,8 +350,13 @@ class LayoutMap(MutableMapping[str, TensorLayout]):
 
 
 def matching_keys(keys: Sequence[str] | MutableMapping[str, Any], path: str) -> list[str]:
-    """The keys that `re.search` ``path``, in insertion order."""
-    return [k for k in keys if re.search(k, path)]
+    """The keys that `re.fullmatch` ``path`` (the whole path), in insertion order.
+
+    Example:
+        >>> matching_keys([r".*up\\.weight", r"up\\.weight", r"blocks\\..*"], "blocks.0.up.weight")
+        ['.*up\\\\.weight', 'blocks\\\\..*']
+    """
+    return [k for k in keys if re.fullmatch(k, path)]
 
 
 def resolve_layouts(
@@ -312,12 +371,14 @@ def resolve_layouts(
 
     Args:
         layout_map: the map.
-        module: the model (paths are relative to it).
+        module: the model (paths are relative to it; a ``ds.Model`` wrapping a network
+            is looked through: the map sees the network's own paths, ``module.`` is not
+            part of them).
         buffers: whether buffers are resolved too.
 
     Returns:
         ``{path: layout or None}`` in ``named_parameters()`` then ``named_buffers()``
-        order (duplicates included).
+        order (duplicates included), the paths relative to ``module``.
 
     Raises:
         InvalidArgumentError: a layout whose length is not the variable's number of
@@ -337,8 +398,9 @@ def resolve_layouts(
         named += list(module.named_buffers(remove_duplicate=False))
     resolved: dict[str, TensorLayout | None] = {}
     first_path: dict[int, str] = {}
+    strip = _wrapper_prefix(module)
     for path, tensor in named:
-        layout = layout_map[path]
+        layout = layout_map[network_path(path, strip)]
         if layout is not None and len(layout.axes) != tensor.dim():
             raise InvalidArgumentError(
                 f"the layout of {path!r} is {layout.axes}, with {len(layout.axes)} entries, but "
@@ -372,3 +434,83 @@ def shard_dims(layout: TensorLayout | None, axis_names: Sequence[str]) -> tuple[
     if layout is None:
         return tuple(None for _ in axis_names)
     return tuple(layout.axes.index(axis) if axis in layout.axes else None for axis in axis_names)
+
+
+def _wrapper_prefix(module: torch.nn.Module) -> str:
+    """``"module."`` when ``module`` is a ``ds.Model`` wrapping a network
+    (``ds.Model(net)``), whose paths the map sees as the network's own; else ``""``."""
+    training = sys.modules.get("distribute.training.model")  # no ds.Model without it
+    if training is not None and isinstance(module, training.Model) and "module" in module._modules:
+        return "module."
+    return ""
+
+
+def network_path(path: str, strip: str) -> str:
+    """The path the layout map sees: ``path`` without the wrapper's ``strip`` prefix.
+
+    Example:
+        >>> network_path("module.blocks.0.up.weight", "module."), network_path("head", "")
+        ('blocks.0.up.weight', 'head')
+    """
+    return path[len(strip) :] if strip and path.startswith(strip) else path
+
+
+def map_paths(module: torch.nn.Module, *, buffers: bool = True) -> list[str]:
+    """Every path of ``module`` a key may name, as the layout map sees it
+    (`network_path`): its variables', then each submodule's output
+    (``"<module path>/output"``)."""
+    strip = _wrapper_prefix(module)
+    named = [p for p, _ in module.named_parameters(remove_duplicate=False)]
+    if buffers:
+        named += [p for p, _ in module.named_buffers(remove_duplicate=False)]
+    named += [f"{p}{OUTPUT}" for p, _ in module.named_modules() if p and f"{p}." != strip]
+    return [network_path(p, strip) for p in named]
+
+
+#: The suffix of a key that lays out a module's output, as Keras spells it.
+OUTPUT = "/output"
+
+
+def resolve_output_layouts(
+    layout_map: LayoutMap, module: torch.nn.Module
+) -> dict[str, TensorLayout]:
+    """The submodules (by path relative to ``module``) whose output the map lays out:
+    a key matching ``"<module path>/output"`` (the path as the map sees it, Keras's
+    output layouts), with the layout.
+
+    Example:
+        >>> import torch
+        >>> layout_map = LayoutMap(DeviceMesh((1, 2), ("batch", "model")))
+        >>> layout_map[r"\\d+/output"] = ("batch", None, "model")
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        >>> resolve_output_layouts(layout_map, net)
+        {'0': TensorLayout(('batch', None, 'model')), '1': TensorLayout(('batch', None, 'model'))}
+    """
+    strip = _wrapper_prefix(module)
+    found: dict[str, TensorLayout] = {}
+    for path, _ in module.named_modules():
+        if not path or f"{path}." == strip:  # the root, or the network ds.Model wraps
+            continue
+        if (layout := layout_map[network_path(path, strip) + OUTPUT]) is not None:
+            found[path] = layout
+    return found
+
+
+def unmatched_keys(layout_map: LayoutMap, paths: Sequence[str]) -> dict[str, list[str]]:
+    """The map's keys that no path in ``paths`` matches (equal, or `re.fullmatch`), each
+    with the (at most 3) paths nearest to it, nearest first.
+
+    Example:
+        >>> layout_map = LayoutMap(DeviceMesh((1, 2), ("batch", "model")))
+        >>> layout_map[r"up\\.weight"] = ("model", None)
+        >>> layout_map[r".*down\\.weight"] = (None, "model")
+        >>> unmatched_keys(layout_map, ["blocks.0.up.weight", "blocks.0.down.weight"])
+        {'up\\\\.weight': ['blocks.0.up.weight', 'blocks.0.down.weight']}
+    """
+    unmatched: dict[str, list[str]] = {}
+    for key in layout_map:
+        if key in paths or any(re.fullmatch(key, p) for p in paths):
+            continue
+        plain = key.replace("\\", "")
+        unmatched[key] = difflib.get_close_matches(plain, list(paths), n=3, cutoff=0.0)
+    return unmatched

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import sys
 import threading
 import weakref
@@ -59,7 +60,23 @@ import torch
 
 from distribute import _torch
 from distribute.errors import InvalidArgumentError
-from distribute.strategies._layout import LayoutMap, TensorLayout, resolve_layouts, shard_dims
+from distribute.strategies._layout import (
+    LayoutMap,
+    TensorLayout,
+    map_paths,
+    resolve_layouts,
+    resolve_output_layouts,
+    shard_dims,
+)
+from distribute.strategies._layout_hooks import (
+    EmptySkippedInCat,
+    OutputLayout,
+    grad_sums_here,
+    lay_out_loaded_values,
+    partial_sums_here,
+    transposed_style,
+    warn_unmatched,
+)
 from distribute.strategies._module_recorder import ModuleRecorder
 
 if TYPE_CHECKING:
@@ -72,6 +89,7 @@ __all__ = [
     "NoSyncDepth",
     "Style",
     "choose_styles",
+    "is_conv1d",
     "plain_is_replicated",
 ]
 
@@ -157,7 +175,24 @@ def _torch_style(
             return Style.ROWWISE
         if weight == (None, axis):
             return Style.COLWISE
+    if is_conv1d(m):  # weight (in, out): the Linear's layouts transposed
+        if weight == (None, axis) and (not has_bias or bias == (axis,)):
+            return Style.COLWISE
+        if weight == (axis, None) and (not has_bias or bias in (None, (None,))):
+            return Style.ROWWISE
     return None
+
+
+def is_conv1d(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is transformers' ``Conv1D`` (GPT-2's projections: a linear
+    layer whose weight is ``(in_features, out_features)``, ``x @ weight + bias``), found
+    without importing transformers."""
+    cls = type(module)
+    return (
+        cls.__name__ == "Conv1D"
+        and cls.__module__.startswith("transformers.")
+        and hasattr(module, "nf")
+    )
 
 
 @dataclass(frozen=True)
@@ -229,6 +264,7 @@ class GlobalView:
 
         stack = contextlib.ExitStack()
         stack.enter_context(plain_is_replicated())
+        stack.enter_context(EmptySkippedInCat())
         if self._cpu:
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -270,21 +306,6 @@ def plain_is_replicated() -> Iterator[None]:
         yield
     finally:
         _torch.allow_implicit_replication(before)
-
-
-def _grad_sums_here(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """Before a column-parallel layer: a replicated DTensor input becomes a fresh one of
-    the same local tensor, whose gradient (partial sums) is summed here, once, as torch
-    does for a plain input (NOTE [model parallel layout])."""
-    from torch.distributed.tensor import DTensor
-
-    if not args or not isinstance(args[0], DTensor):
-        return None
-    x = args[0]
-    if not all(p.is_replicate() for p in x.placements):
-        return None
-    fresh = DTensor.from_local(x.to_local(), x.device_mesh, x.placements, run_check=False)
-    return (fresh, *args[1:])
 
 
 class NoSyncDepth:
@@ -415,10 +436,13 @@ class LaidOutModules:
         if not self._recorder.pending:
             return
         known = len(self.trainable)
-        for root in self._recorder.take_roots():
+        roots = self._recorder.take_roots()
+        for root in roots:
             self._lay_out(root)
         if self._track is not None:
             self._track(self.trainable[known:])
+        if roots and self._world.rank == 0:
+            warn_unmatched(self._layout_map, [p for root in roots for p in map_paths(root)])
 
     def _lay_out(self, root: torch.nn.Module) -> None:
         plan = self._plan
@@ -464,6 +488,7 @@ class LaidOutModules:
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
         mesh = self._plan.model_mesh
+        holders: set[torch.nn.Module] = set()
         for tensor, places in slots.values():
             first_path = places[0][2]  # tied paths share one layout (resolve_layouts)
             dims = shard_dims(layouts.get(first_path), self._plan.model_axes)
@@ -482,6 +507,12 @@ class LaidOutModules:
                     module._parameters[name] = new  # type: ignore[assignment]  # a DTensor Parameter
                 else:
                     module._buffers[name] = new
+                if module not in holders:
+                    holders.add(module)
+                    module.register_load_state_dict_pre_hook(lay_out_loaded_values)  # type: ignore[no-untyped-call]  # torch leaves it untyped
+        # The root's runs first and lays out every whole value (or refuses) before any copy.
+        whole_tree = functools.partial(lay_out_loaded_values, subtree=True)
+        root.register_load_state_dict_pre_hook(whole_tree)  # type: ignore[no-untyped-call]  # torch leaves it untyped
 
     def _apply_styles(self, root: torch.nn.Module, layouts: dict[str, TensorLayout | None]) -> None:
         from torch.distributed.tensor.parallel import (
@@ -494,15 +525,22 @@ class LaidOutModules:
         mesh = self._plan.model_mesh
         for path, style in styles.items():
             module = root.get_submodule(path)
-            if style is Style.COLWISE:
+            if is_conv1d(module) and style is not Style.PROPAGATE:
+                transposed_style(module, column=style is Style.COLWISE)
+            elif style is Style.COLWISE:
                 parallelize_module(
                     module, mesh, ColwiseParallel(use_local_output=False), src_data_rank=None
                 )
-                module.register_forward_pre_hook(_grad_sums_here, prepend=True)
+                module.register_forward_pre_hook(grad_sums_here, prepend=True)
             elif style is Style.ROWWISE:
                 parallelize_module(
                     module, mesh, RowwiseParallel(use_local_output=False), src_data_rank=None
                 )
+            elif isinstance(module, torch.nn.Embedding):
+                module.register_forward_hook(partial_sums_here)
+        for path, layout in resolve_output_layouts(self._layout_map, root).items():
+            constrain = OutputLayout(path, layout, self._plan.model_axes)
+            root.get_submodule(path).register_forward_hook(constrain)
         assert self._view is not None
         for module in root.modules():
             self._view.attach(module)

@@ -87,11 +87,11 @@ class Net(torch.nn.Module):
 def layout_map(shape: tuple[int, int], *, head: bool = True) -> ds.experimental.LayoutMap:
     mesh = ds.experimental.DeviceMesh(shape, ("batch", "model"))
     layouts = ds.experimental.LayoutMap(mesh)
-    layouts[r"attn\.(q|k|v)\.weight"] = ("model", None)
-    layouts[r"attn\.o\.weight"] = (None, "model")
-    layouts[r"up\.weight"] = ("model", None)
-    layouts[r"up\.bias"] = ("model",)
-    layouts[r"down\.weight"] = (None, "model")
+    layouts[r"blocks\.\d+\.attn\.(q|k|v)\.weight"] = ("model", None)
+    layouts[r"blocks\.\d+\.attn\.o\.weight"] = (None, "model")
+    layouts[r"blocks\.\d+\.up\.weight"] = ("model", None)
+    layouts[r"blocks\.\d+\.up\.bias"] = ("model",)
+    layouts[r"blocks\.\d+\.down\.weight"] = (None, "model")
     if head:  # its bias stays whole: DTensor's propagation, not torch's colwise
         layouts[r"head\.weight"] = ("model", None)
     return layouts
@@ -381,7 +381,7 @@ def _misuse() -> dict[str, str]:
     wrong_rank[r"embed\.weight"] = ("model",)
     expect("wrong_rank", ValueError, lambda: build(wrong_rank))
     two_keys = layout_map((1, 2))
-    two_keys[r"blocks\.0\.up"] = (None, "model")
+    two_keys[r"blocks\.0\.up\..*"] = (None, "model")
     expect("two_keys", ValueError, lambda: build(two_keys))
     expect("unknown_axis", ValueError, lambda: layout_map((1, 2)).__setitem__("x", ("modle",)))
     batch_axis = layout_map((1, 2))

@@ -61,11 +61,11 @@ class Block(torch.nn.Module):
 def _layout_map(shape: tuple[int, int], devices: list[str] | None) -> ds.experimental.LayoutMap:
     mesh = ds.experimental.DeviceMesh(shape, ("batch", "model"), devices=devices)
     layouts = ds.experimental.LayoutMap(mesh)
-    layouts[r"^(q|k|v)\.weight$"] = ("model", None)
-    layouts[r"^o\.weight$"] = (None, "model")
-    layouts[r"^up\.weight$"] = ("model", None)
-    layouts[r"^up\.bias$"] = ("model",)
-    layouts[r"^down\.weight$"] = (None, "model")
+    layouts[r"(q|k|v)\.weight"] = ("model", None)
+    layouts[r"o\.weight"] = (None, "model")
+    layouts[r"up\.weight"] = ("model", None)
+    layouts[r"up\.bias"] = ("model",)
+    layouts[r"down\.weight"] = (None, "model")
     return layouts
 
 
