@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from distribute import _torch, context
+from distribute import _marks, _torch, context
 from distribute._enums import ReduceOp, VariableAggregation, VariableSynchronization
 from distribute.cluster_resolver import ClusterResolver, resolve_cluster
 from distribute.collectives._shapes import check_axis
@@ -289,7 +289,7 @@ class _MeshExtended(StrategyExtended):
         super()._exit_scope()
 
     def variable_created_in_scope(self, v: Any) -> bool:
-        return getattr(v, "_ds_managed_by", None) is self._container_strategy
+        return _marks.managed_by(v) is self._container_strategy
 
     @contextlib.contextmanager
     def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
