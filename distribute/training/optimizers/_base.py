@@ -164,9 +164,11 @@ def _check_clipping(group: dict[str, Any]) -> None:
 class KerasOptimizer(torch.optim.Optimizer):
     """A torch optimizer with Keras 3's step: clip, decay, update, count.
 
-    Subclasses give their defaults, `_scalars` (the step's numbers, NOTE [Keras's
-    arithmetic, in the variable's dtype]) and `_update` (Keras's ``update_step`` for
-    one parameter); see NOTE [Keras's step, in torch]. Any subclass works wherever a
+    Subclasses give their defaults (their own hyperparameters, and Keras's base options
+    taken as ``**options: Unpack[KerasOptions]``, joined by `keras_defaults`),
+    `_scalars` (the step's numbers, NOTE [Keras's arithmetic, in the variable's dtype])
+    and `_update` (Keras's ``update_step`` for one parameter); see NOTE [Keras's step,
+    in torch]. Any subclass works wherever a
     ``torch.optim`` optimizer does: inside ``strategy.run``, with learning-rate
     schedulers, in checkpoints.
 
