@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -50,6 +52,7 @@ __all__ = [
     "CHECKED_ON",
     "INSTANCE_ATTRIBUTES",
     "LAZY_NAMES",
+    "METHODS_IN_FRAMES",
     "OPTION_ATTRIBUTES",
     "DisableTorchFunctionSubclass",
     "HashStore",
@@ -77,9 +80,11 @@ __all__ = [
     "make_subclass",
     "make_wrapper_subclass",
     "missing_names",
+    "optimizer_adding_param_group",
     "refresh_per_optimizer_state",
     "rpc_current_agent",
     "rpc_init_backend",
+    "stepping_grad_scaler",
     "tree_leaves",
     "tree_map",
     "tree_map_only",
@@ -148,6 +153,45 @@ TorchDispatchMode = _python_dispatch.TorchDispatchMode
 refresh_per_optimizer_state: Callable[[], dict[str, Any]] = (
     _grad_scaler._refresh_per_optimizer_state
 )
+
+# -- callers torch passes nothing of: its own methods' running frames ---------------------------
+# torch has no hook on an optimizer's construction, and `torch.amp.GradScaler.step` hands
+# nothing of itself to `optimizer.step`; where the library must know who is calling, it
+# finds the caller here, by the name of torch's method in the running frames of this thread
+# (`METHODS_IN_FRAMES` names them; the tests resolve them and watch each found).
+
+
+def optimizer_adding_param_group() -> torch.optim.Optimizer | None:
+    """The optimizer whose ``add_param_group`` (its constructor's, or a later call) is
+    running a few frames up this thread: what the sharded scope's optimizer watch asks
+    when that method reads a watched parameter's ``is_leaf`` (NOTE [optimizers built in
+    the scope])."""
+    found = _self_in_frames("add_param_group", torch.optim.Optimizer, frames=6)
+    return found if isinstance(found, torch.optim.Optimizer) else None
+
+
+def stepping_grad_scaler() -> torch.amp.GradScaler | None:
+    """The `torch.amp.GradScaler` (or subclass) whose ``step`` calls ``optimizer.step``
+    in this thread (through its ``_maybe_opt_step``), asked from an optimizer step hook:
+    the synchronous handler refuses torch's own scaler (NOTE [refused steps])."""
+    found = _self_in_frames("_maybe_opt_step", torch.amp.GradScaler, frames=8)
+    return found if isinstance(found, torch.amp.GradScaler) else None
+
+
+def _self_in_frames(method: str, owner: type, frames: int) -> Any:
+    """``self`` of the nearest of ``frames`` frames, from the caller's caller up, that
+    runs a method named ``method`` of an ``owner``; None if none does (or its ``self``
+    is something else)."""
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(frames):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == method:
+            candidate = frame.f_locals.get("self")
+            return candidate if isinstance(candidate, owner) else None
+        frame = frame.f_back
+    return None
+
 
 # -- process groups (torch.distributed.distributed_c10d) -----------------------------------------
 
@@ -279,6 +323,14 @@ LAZY_NAMES: tuple[tuple[str, str], ...] = (
 #: which `init_device_mesh` reads back; checked by `missing_names` on a fresh object).
 OPTION_ATTRIBUTES: tuple[str, ...] = ("_timeout",)
 
+#: torch's methods whose running frames `optimizer_adding_param_group` and
+#: `stepping_grad_scaler` look for, as (module, attribute path): `missing_names` resolves
+#: each, and the tests check that each is found where it runs.
+METHODS_IN_FRAMES: tuple[tuple[str, str], ...] = (
+    ("torch.optim.optimizer", "Optimizer.add_param_group"),
+    ("torch.amp.grad_scaler", "GradScaler._maybe_opt_step"),
+)
+
 #: Private attributes of torch objects the library reads where it uses them (every
 #: module's and tensor's; FSDP's are read through the functions above, and checked on a
 #: live sharded module by the tests).
@@ -294,7 +346,7 @@ def missing_names() -> list[str]:
     """Every private torch name of this module that the installed torch lacks (empty
     when all resolve); imports the lazily used modules to look."""
     missing = []
-    for module, name in LAZY_NAMES:
+    for module, name in LAZY_NAMES + METHODS_IN_FRAMES:
         try:
             owner = _import(module)
             for part in name.split("."):

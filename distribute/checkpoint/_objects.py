@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 import numpy as np
 import torch
 
+from distribute import _marks
 from distribute._enums import VariableAggregation, VariableSynchronization
 from distribute.errors import InvalidArgumentError
 from distribute.variables import DistributedVariable
@@ -83,11 +84,11 @@ class RNGState:
 
 def strategy_of(value: Any) -> Any:
     """The strategy a tensor belongs to: a distributed variable's, or the strategy
-    that manages it (`FullyShardedStrategy`'s shards carry ``_ds_managed_by``); None
+    that manages it (`FullyShardedStrategy`'s shards, `_marks.managed_by`); None
     for a plain tensor."""
     if isinstance(value, DistributedVariable):
         return value._ds_strategy
-    return getattr(value, "_ds_managed_by", None)
+    return _marks.managed_by(value)
 
 
 def is_per_worker(obj: Any) -> bool:
@@ -397,7 +398,7 @@ def _written_through(target: torch.Tensor) -> None:
     """A parameter-server variable read straight into its local copy: its ps gets
     the value too (a write through `copy_` goes there by itself)."""
     send = getattr(target, "_send_local_value", None)
-    if send is not None and getattr(target, "_ds_published", False):
+    if send is not None and _marks.is_published(target):
         send()
 
 

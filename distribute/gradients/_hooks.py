@@ -40,7 +40,7 @@ from torch.optim.optimizer import (
 )
 from torch.utils.hooks import RemovableHandle
 
-from distribute import context
+from distribute import _marks, context
 from distribute.errors import InvalidArgumentError, MixedStrategyError
 from distribute.variables import DistributedVariable
 
@@ -84,21 +84,21 @@ def _variables_of(optimizer: Optimizer, strategy: Strategy) -> list[DistributedV
     cached = _plans.get(optimizer)
     if cached is not None and cached[0] == key and cached[1]() is strategy:
         return cached[2]
-    own: list[DistributedVariable] = []  # or tensors a strategy manages (`_ds_managed_by`)
+    own: list[DistributedVariable] = []  # or tensors a strategy manages (`_marks.managed_by`)
     foreign: list[DistributedVariable] = []
     foreign_managers: list[Any] = []
     shared = 0  # parameters every replica thread would update unsynchronized
     for p in params:
-        if getattr(p, "_ds_on_parameter_server", False):
+        if _marks.on_parameter_server(p):
             continue  # updated on its ps, once per step (ps/_variables.py)
-        manager = getattr(p, "_ds_managed_by", None)  # a strategy's own tensor (FSDP's shards)
+        manager = _marks.managed_by(p)  # a strategy's own tensor (FSDP's shards)
         if manager is not None:
             if manager is strategy:
                 own.append(p)
             else:
                 foreign_managers.append(manager)
             continue
-        if getattr(p, "_ds_sharded_away", False):
+        if _marks.is_sharded_away(p):
             raise InvalidArgumentError(
                 "optimizer.step() got a parameter that FullyShardedStrategy has replaced by "
                 "its shards: the optimizer was built from the parameters before they were "

@@ -93,8 +93,6 @@ class GradScaler(torch.amp.GradScaler):
         1024.0
     """
 
-    _ds_sums_first = True  # read by the optimizer hooks (NOTE [refused steps])
-
     _scale = _PerReplicaAttribute()
     _growth_tracker = _PerReplicaAttribute()
     _per_optimizer_states = _PerReplicaAttribute()

@@ -19,13 +19,12 @@ sums first), and a step outside `run` over gradients made inside it.
 
 from __future__ import annotations
 
-import sys
 import threading
 import weakref
 from collections.abc import Sequence
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from distribute import _torch
 from distribute.errors import ContextError, InvalidArgumentError
 from distribute.gradients._bucket_reducer import BucketReducer
 from distribute.gradients._local_sum import LocalSum
@@ -37,6 +36,7 @@ from distribute.gradients._replica_params import (
 )
 from distribute.gradients._state import PerReplicaState
 from distribute.gradients.base import GradientSum
+from distribute.gradients.scaler import GradScaler
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -241,19 +241,13 @@ def _refuse_torch_grad_scaler() -> None:
 
     It unscales and checks each replica's own gradient before the sum at this
     step, so replicas and workers would disagree on the scale and on whether to
-    step (one skipping while the others wait for it in the sum).
+    step (one skipping while the others wait for it in the sum). The scaler is
+    found by `_torch.stepping_grad_scaler` (torch's ``step`` passes nothing of itself).
     """
-    frame: FrameType | None = sys._getframe(3)  # this, before_step, the hook, step
-    for _ in range(4):
-        if frame is None:
-            return
-        if frame.f_code.co_name == "_maybe_opt_step":
-            scaler = frame.f_locals.get("self")
-            if scaler is not None and not getattr(scaler, "_ds_sums_first", False):
-                raise InvalidArgumentError(
-                    "torch.amp.GradScaler unscales and checks each replica's own gradient "
-                    "before gradients are summed, so replicas disagree on the scale and on "
-                    "whether to step; use distribute.GradScaler (the same API) instead"
-                )
-            return
-        frame = frame.f_back
+    scaler = _torch.stepping_grad_scaler()
+    if scaler is not None and not isinstance(scaler, GradScaler):
+        raise InvalidArgumentError(
+            "torch.amp.GradScaler unscales and checks each replica's own gradient "
+            "before gradients are summed, so replicas disagree on the scale and on "
+            "whether to step; use distribute.GradScaler (the same API) instead"
+        )

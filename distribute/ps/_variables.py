@@ -40,7 +40,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from distribute import _torch, context
+from distribute import _marks, _torch, context
 from distribute._enums import VariableAggregation
 from distribute.errors import InvalidArgumentError
 from distribute.partitioners import shard_sizes
@@ -61,6 +61,7 @@ class VarHandle:
     aggregation: VariableAggregation
 
 
+@_marks.parameter_server_class  # the optimizer hooks leave it to the ps
 class ParameterServerVariable(torch.nn.Parameter):
     """A variable stored on a ps task; this tensor is the local copy.
 
@@ -76,7 +77,6 @@ class ParameterServerVariable(torch.nn.Parameter):
     """
 
     _ds_handle: VarHandle
-    _ds_on_parameter_server = True  # the optimizer hooks leave it to the ps
 
     @staticmethod
     def _make(value: torch.Tensor, handle: VarHandle) -> ParameterServerVariable:
@@ -102,7 +102,7 @@ class ParameterServerVariable(torch.nn.Parameter):
         target = args[0] if args else None
         if (
             isinstance(target, ParameterServerVariable)
-            and getattr(target, "_ds_published", False)
+            and _marks.is_published(target)
             and _writes_in_place(func)
             and _runtime.current().writes_through()
         ):
@@ -194,13 +194,14 @@ def _rebuild_variable(handle: VarHandle) -> ParameterServerVariable:
     local = runtime.variables.get(handle.var_id)
     if local is None:
         local = ParameterServerVariable._make(torch.zeros(handle.shape, dtype=handle.dtype), handle)
-        local._ds_published = True  # type: ignore[attr-defined]  # it lives on its ps
+        _marks.mark_published(local)  # it lives on its ps
         runtime.variables[handle.var_id] = local
         runtime.locations[handle.var_id] = handle.task
     assert isinstance(local, ParameterServerVariable)
     return local
 
 
+@_marks.parameter_server_class
 class ShardedVariable(torch.Tensor):
     """A variable split along dim 0 into shards on several ps tasks.
 
@@ -217,7 +218,6 @@ class ShardedVariable(torch.Tensor):
         [v.shape[0] for v in table.weight.variables]    # [500, 500]
     """
 
-    _ds_on_parameter_server = True
     _ds_shards: tuple[ParameterServerVariable, ...]
     _ds_lock: threading.Lock
     _ds_reads: list[tuple[torch.Tensor | None, torch.Tensor]]
@@ -337,7 +337,7 @@ class ShardedVariable(torch.Tensor):
                 plain
                 and isinstance(weight, ShardedVariable)
                 and not isinstance(ids, ShardedVariable)
-                and getattr(weight, "_ds_pending", None) is None
+                and _marks.pending(weight) is None
             ):
                 return weight._lookup(ids)
             # padding_idx, max_norm and scale_grad_by_freq shape the gradient (or the
@@ -348,7 +348,7 @@ class ShardedVariable(torch.Tensor):
         def whole(x: Any) -> Any:
             if not isinstance(x, ShardedVariable):
                 return x
-            pending = getattr(x, "_ds_pending", None)
+            pending = _marks.pending(x)
             if pending is not None:  # created in scope, not yet on the ps (initializing)
                 return pending
             value = x._fetch_all().requires_grad_(x.requires_grad and torch.is_grad_enabled())
@@ -369,7 +369,7 @@ class ShardedVariable(torch.Tensor):
         def whole(x: Any) -> Any:
             if not isinstance(x, ShardedVariable):
                 return x
-            pending = getattr(x, "_ds_pending", None)
+            pending = _marks.pending(x)
             return pending if pending is not None else x._fetch_all()
 
         return func(*_torch.tree_map(whole, args), **_torch.tree_map(whole, kwargs or {}))

@@ -9,7 +9,9 @@ construction, and scanning every live object with the garbage collector (as both
 strategies once did) is a pass over the whole heap that sees every optimizer of the
 process. Instead, while the strategy's outermost scope is active, a torch function
 mode (this thread only) notices `Optimizer.add_param_group` reading `is_leaf` of a
-parameter the scope recorded (`watch`), and keeps that optimizer, weakly. The mode
+parameter the scope recorded (`watch`), and keeps that optimizer, weakly (the
+optimizer is the ``self`` of the running ``add_param_group``: no public torch API
+names it, so `_torch.optimizer_adding_param_group` finds it, NOTE [private torch]). The mode
 passes every other call straight on; it is entered with the outermost scope and left
 when the scope is left or `run` begins (from the top of the mode stack only: under a
 mode entered later it stays, passing everything on, until a later `stop` finds it on
@@ -28,10 +30,8 @@ Example::
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Sequence
-from types import FrameType
 from typing import Any
 
 import torch
@@ -97,21 +97,7 @@ class _WatchMode(TorchFunctionMode):
             and getattr(func, "__self__", None) is _torch.is_leaf_property
             and id(args[0]) in self.watched
         ):
-            optimizer = _optimizer_adding_parameters()
+            optimizer = _torch.optimizer_adding_param_group()
             if optimizer is not None:
                 self._found.add(optimizer)
         return func(*args, **(kwargs or {}))
-
-
-def _optimizer_adding_parameters() -> torch.optim.Optimizer | None:
-    """The optimizer whose `add_param_group` (its constructor's, or a later call) is
-    reading this parameter, from the calling frames."""
-    frame: FrameType | None = sys._getframe(2)  # past this and __torch_function__
-    for _ in range(4):
-        if frame is None:
-            return None
-        if frame.f_code.co_name == "add_param_group":
-            owner = frame.f_locals.get("self")
-            return owner if isinstance(owner, torch.optim.Optimizer) else None
-        frame = frame.f_back
-    return None

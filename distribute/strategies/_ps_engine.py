@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from distribute import context
+from distribute import _marks, context
 from distribute._enums import VariableAggregation, VariableSpec, VariableSynchronization
 from distribute.cluster_resolver.base import ClusterResolver
 from distribute.cluster_resolver.cluster_spec import split_host_port
@@ -240,7 +240,7 @@ class ParameterServerVariables:
             self._register(runtime, part)
         sharded = ShardedVariable(parts)
         runtime.add_sharded(tuple(p.handle.var_id for p in parts), sharded)
-        sharded._ds_pending = value.detach().clone()  # type: ignore[attr-defined]  # initialized in place before it is published
+        _marks.set_pending(sharded, value.detach().clone())  # initialized in place, then published
         self._pending.append(sharded)
         return sharded
 
@@ -267,17 +267,16 @@ class ParameterServerVariables:
         if not self._publishes:
             for var in pending:  # worker 0 sends the initial values; they arrive there
                 if isinstance(var, ShardedVariable):
-                    del var._ds_pending  # type: ignore[attr-defined]  # set at creation
+                    _marks.take_pending(var)  # set at creation
                 for shard in var.variables if isinstance(var, ShardedVariable) else [var]:
-                    shard._ds_published = True  # type: ignore[attr-defined]  # on the ps
+                    _marks.mark_published(shard)  # on the ps
             self._barrier.wait([f"published/{self._rounds}"])
             return
         runtime = _runtime.current()
         futures = []
         for var in pending:
             if isinstance(var, ShardedVariable):
-                whole = var._ds_pending  # type: ignore[attr-defined]  # set at creation
-                del var._ds_pending  # type: ignore[attr-defined]  # now it lives on the ps
+                whole = _marks.take_pending(var)  # set at creation; now it lives on the ps
                 parts = split_rows(whole, len(var.variables))
                 pairs = list(zip(var.variables, parts))
             else:
@@ -285,7 +284,7 @@ class ParameterServerVariables:
             for shard, value in pairs:
                 with torch.no_grad():
                     torch.Tensor.copy_(shard.as_subclass(torch.Tensor), value)
-                shard._ds_published = True  # type: ignore[attr-defined]  # writes go on to the ps
+                _marks.mark_published(shard)  # writes go on to the ps
                 futures.append(
                     runtime.transport.call(
                         shard.handle.task,

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distribute import context
+from distribute import _marks, context
 from distribute._enums import (
     ReduceOp,
     StepRunner,
@@ -508,7 +508,7 @@ class ReplicatedExtended(StrategyExtended):
             return (
                 isinstance(v, torch.Tensor)
                 and not isinstance(v, DistributedVariable)
-                and getattr(v, "_ds_managed_by", None) is None
+                and _marks.managed_by(v) is None
             )
         return super().variable_created_in_scope(v)
 

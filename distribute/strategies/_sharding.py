@@ -75,7 +75,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from distribute import _torch
+from distribute import _marks, _torch
 from distribute.errors import InvalidArgumentError
 from distribute.strategies._module_recorder import ModuleRecorder
 
@@ -291,13 +291,13 @@ class ShardedModules:
             _materialize(root, before, after, kept, buffers, self._device)
         replaced: dict[int, torch.nn.Parameter] = {}
         for name, new in after.items():
-            new._ds_managed_by = strategy  # type: ignore[attr-defined]  # read by the step hooks
+            _marks.mark_managed(new, strategy)  # read by the step hooks
             old = before.get(name)
             if old is not None and old is not new:
                 replaced[id(old)] = new
         for old in originals:
             if id(old) in replaced:
-                old._ds_sharded_away = True  # type: ignore[attr-defined]  # a step over it is refused
+                _marks.mark_sharded_away(old)  # a step over it is refused
         self._recorder.repoint(replaced)
         root.register_forward_pre_hook(self._forward_outside_run, prepend=True)
         self._recorder.keep(root)

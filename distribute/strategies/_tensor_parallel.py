@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distribute import _torch
+from distribute import _marks, _torch
 from distribute.errors import InvalidArgumentError
 from distribute.strategies._layout import (
     LayoutMap,
@@ -574,9 +574,9 @@ class LaidOutModules:
             if old is not None and old is not new:
                 replaced[id(old)] = new
         for tensor in root.buffers():
-            tensor._ds_managed_by = strategy  # type: ignore[attr-defined]  # read by checkpoints
+            _marks.mark_managed(tensor, strategy)  # read by checkpoints
         for param in root.parameters():  # each once, in registration order
-            param._ds_managed_by = strategy  # type: ignore[attr-defined]  # read by the step hooks
+            _marks.mark_managed(param, strategy)  # read by the step hooks
             if param.requires_grad:
                 self.trainable.append(param)
         self._recorder.repoint(replaced)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distribute import _torch, context
+from distribute import _marks, _torch, context
 from distribute._enums import (
     ReduceOp,
     StepRunner,
@@ -187,7 +187,7 @@ class StrategyExtended(abc.ABC):
         if isinstance(v, DistributedVariable):
             return v._ds_strategy is self._container_strategy
         # Variables an engine replaced by torch's own (FSDP's shards, laid-out DTensors).
-        return getattr(v, "_ds_managed_by", None) is self._container_strategy
+        return _marks.managed_by(v) is self._container_strategy
 
     # -- the engine's seams: what the layers above read (docs/architecture.md) ----------
 

@@ -135,3 +135,44 @@ def test_fsdp_internals_resolve_on_a_live_sharded_module() -> None:
     )
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen == {"groups": 1, "idle": "unshard", "forward": "forward"}, seen
+
+
+def test_the_optimizer_adding_a_param_group_is_found_from_a_torch_function_mode() -> None:
+    """`Optimizer.add_param_group` reads each parameter's ``is_leaf`` with the optimizer
+    a few frames up (the sharded scope's optimizer watch relies on it), in its
+    constructor and in a later call; outside it, nothing is found."""
+    first, second = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    found: list[torch.optim.Optimizer | None] = []
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if getattr(func, "__self__", None) is _torch.is_leaf_property:
+                found.append(_torch.optimizer_adding_param_group())
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        optimizer = torch.optim.SGD([first], lr=0.1)
+        optimizer.add_param_group({"params": [second]})
+        assert first.is_leaf
+    assert found == [optimizer, optimizer, None]
+
+
+def test_the_torch_grad_scaler_stepping_an_optimizer_is_found_from_its_step_hook() -> None:
+    """`torch.amp.GradScaler.step` calls ``optimizer.step`` through its
+    ``_maybe_opt_step`` (the synchronous handler refuses torch's scaler by it); a plain
+    step finds no scaler."""
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    found: list[torch.amp.GradScaler | None] = []
+    handle = optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: found.append(_torch.stepping_grad_scaler())
+    )
+    try:
+        scaler.scale(param.sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.step()
+    finally:
+        handle.remove()
+    assert found == [scaler, None]

@@ -1,27 +1,35 @@
 """Keras 3's moment-based optimizers: Adam, AdamW, Adamax, Nadam, Lion, Adafactor.
 
-Each `_update` is the Keras optimizer's ``update_step`` for one parameter, in the
-same order of operations (``keras/src/optimizers/<name>.py``); the base class does
-the clipping, weight decay and step counting (NOTE [Keras's step, in torch]).
+Each class writes its hyperparameters, its `_scalars` and its `_update` (Keras's
+``update_step``, ``keras/src/optimizers/<name>.py``, in the same order of
+operations); the rest is `KerasOptimizer`'s (NOTE [Keras's step, in torch]).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from distribute.errors import InvalidArgumentError
 from distribute.training.optimizers._base import (
+    ClipOptions,
+    Group,
     KerasOptimizer,
+    KerasOptions,
     Scalars,
+    State,
     cast,
-    resolve_lr,
+    keras_defaults,
     scalar_sqrt,
     slot,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["Adafactor", "Adam", "AdamW", "Adamax", "Lion", "Nadam"]
 
@@ -41,11 +49,7 @@ class Adam(KerasOptimizer):
         beta_2: decay of the second moment.
         epsilon: added to ``sqrt(v)``.
         amsgrad: use the maximum of the second moments so far.
-        weight_decay: ``var -= var * weight_decay * lr`` before each update (None: off).
-        clipnorm: clip each gradient to this norm.
-        clipvalue: clip each gradient's elements to ``[-clipvalue, clipvalue]``.
-        global_clipnorm: clip all gradients together to this global norm.
-        learning_rate: Keras's name of ``lr``.
+        **options: Keras's base options, by keyword (`KerasOptions`).
 
     Example:
         >>> import torch, distribute as ds
@@ -65,29 +69,14 @@ class Adam(KerasOptimizer):
         beta_2: float = 0.999,
         epsilon: float = 1e-7,
         amsgrad: bool = False,
-        weight_decay: float | None = None,
-        clipnorm: float | None = None,
-        clipvalue: float | None = None,
-        global_clipnorm: float | None = None,
-        *,
-        learning_rate: float | None = None,
+        **options: Unpack[KerasOptions],
     ) -> None:
-        defaults = {
-            "lr": resolve_lr(lr, learning_rate, 1e-3),
-            "beta_1": beta_1,
-            "beta_2": beta_2,
-            "epsilon": epsilon,
-            "amsgrad": amsgrad,
-            "weight_decay": weight_decay,
-            "clipnorm": clipnorm,
-            "clipvalue": clipvalue,
-            "global_clipnorm": global_clipnorm,
-        }
+        defaults = keras_defaults(
+            lr, 1e-3, options, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon, amsgrad=amsgrad
+        )
         super().__init__(params, defaults)
 
-    def _scalars(
-        self, group: dict[str, Any], t: torch.Tensor, lr: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
+    def _scalars(self, group: Group, t: Tensor, lr: Tensor) -> dict[str, Tensor]:
         dtype = t.dtype
         beta_1_power = torch.pow(cast(group["beta_1"], dtype), t)
         beta_2_power = torch.pow(cast(group["beta_2"], dtype), t)
@@ -98,14 +87,7 @@ class Adam(KerasOptimizer):
             "epsilon": cast(group["epsilon"], dtype),
         }
 
-    def _update(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        state: dict[str, Any],
-        group: dict[str, Any],
-        s: Scalars,
-    ) -> None:
+    def _update(self, p: Tensor, grad: Tensor, state: State, group: Group, s: Scalars) -> None:
         m, v = slot(state, "momentum", p), slot(state, "velocity", p)
         m.add_((grad - m).mul_(s["1 - beta_1"]))
         v.add_((grad.square() - v).mul_(s["1 - beta_2"]))
@@ -128,10 +110,7 @@ class AdamW(Adam):
         beta_2: decay of the second moment.
         epsilon: added to ``sqrt(v)``.
         amsgrad: use the maximum of the second moments so far.
-        clipnorm: clip each gradient to this norm.
-        clipvalue: clip each gradient's elements to ``[-clipvalue, clipvalue]``.
-        global_clipnorm: clip all gradients together to this global norm.
-        learning_rate: Keras's name of ``lr``.
+        **options: Keras's other base options, by keyword (`ClipOptions`).
 
     Example:
         >>> import torch, distribute as ds
@@ -152,11 +131,7 @@ class AdamW(Adam):
         beta_2: float = 0.999,
         epsilon: float = 1e-7,
         amsgrad: bool = False,
-        clipnorm: float | None = None,
-        clipvalue: float | None = None,
-        global_clipnorm: float | None = None,
-        *,
-        learning_rate: float | None = None,
+        **options: Unpack[ClipOptions],
     ) -> None:
         if weight_decay is None:
             raise InvalidArgumentError(
@@ -164,17 +139,7 @@ class AdamW(Adam):
                 "pass a number, or use ds.optimizers.Adam for no decay"
             )
         super().__init__(
-            params,
-            lr,
-            beta_1,
-            beta_2,
-            epsilon,
-            amsgrad,
-            weight_decay,
-            clipnorm,
-            clipvalue,
-            global_clipnorm,
-            learning_rate=learning_rate,
+            params, lr, beta_1, beta_2, epsilon, amsgrad, weight_decay=weight_decay, **options
         )
 
 
@@ -188,11 +153,7 @@ class Adamax(KerasOptimizer):
         beta_1: decay of the first moment.
         beta_2: decay of the infinity norm.
         epsilon: added to the norm.
-        weight_decay: ``var -= var * weight_decay * lr`` before each update (None: off).
-        clipnorm: clip each gradient to this norm.
-        clipvalue: clip each gradient's elements to ``[-clipvalue, clipvalue]``.
-        global_clipnorm: clip all gradients together to this global norm.
-        learning_rate: Keras's name of ``lr``.
+        **options: Keras's base options, by keyword (`KerasOptions`).
 
     Example:
         >>> import torch, distribute as ds
@@ -211,28 +172,12 @@ class Adamax(KerasOptimizer):
         beta_1: float = 0.9,
         beta_2: float = 0.999,
         epsilon: float = 1e-7,
-        weight_decay: float | None = None,
-        clipnorm: float | None = None,
-        clipvalue: float | None = None,
-        global_clipnorm: float | None = None,
-        *,
-        learning_rate: float | None = None,
+        **options: Unpack[KerasOptions],
     ) -> None:
-        defaults = {
-            "lr": resolve_lr(lr, learning_rate, 1e-3),
-            "beta_1": beta_1,
-            "beta_2": beta_2,
-            "epsilon": epsilon,
-            "weight_decay": weight_decay,
-            "clipnorm": clipnorm,
-            "clipvalue": clipvalue,
-            "global_clipnorm": global_clipnorm,
-        }
+        defaults = keras_defaults(lr, 1e-3, options, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon)
         super().__init__(params, defaults)
 
-    def _scalars(
-        self, group: dict[str, Any], t: torch.Tensor, lr: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
+    def _scalars(self, group: Group, t: Tensor, lr: Tensor) -> dict[str, Tensor]:
         dtype = t.dtype
         beta_1_power = torch.pow(cast(group["beta_1"], dtype), t)
         return {
@@ -242,14 +187,7 @@ class Adamax(KerasOptimizer):
             "epsilon": cast(group["epsilon"], dtype),
         }
 
-    def _update(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        state: dict[str, Any],
-        group: dict[str, Any],
-        s: Scalars,
-    ) -> None:
+    def _update(self, p: Tensor, grad: Tensor, state: State, group: Group, s: Scalars) -> None:
         m, u = slot(state, "momentum", p), slot(state, "norm", p)
         m.add_((grad - m).mul_(s["1 - beta_1"]))
         torch.maximum(u * s["beta_2"], grad.abs(), out=u)
@@ -266,11 +204,7 @@ class Nadam(KerasOptimizer):
         beta_1: decay of the first moment.
         beta_2: decay of the second moment.
         epsilon: added to ``sqrt(v_hat)``.
-        weight_decay: ``var -= var * weight_decay * lr`` before each update (None: off).
-        clipnorm: clip each gradient to this norm.
-        clipvalue: clip each gradient's elements to ``[-clipvalue, clipvalue]``.
-        global_clipnorm: clip all gradients together to this global norm.
-        learning_rate: Keras's name of ``lr``.
+        **options: Keras's base options, by keyword (`KerasOptions`).
 
     Example:
         >>> import torch, distribute as ds
@@ -289,28 +223,12 @@ class Nadam(KerasOptimizer):
         beta_1: float = 0.9,
         beta_2: float = 0.999,
         epsilon: float = 1e-7,
-        weight_decay: float | None = None,
-        clipnorm: float | None = None,
-        clipvalue: float | None = None,
-        global_clipnorm: float | None = None,
-        *,
-        learning_rate: float | None = None,
+        **options: Unpack[KerasOptions],
     ) -> None:
-        defaults = {
-            "lr": resolve_lr(lr, learning_rate, 1e-3),
-            "beta_1": beta_1,
-            "beta_2": beta_2,
-            "epsilon": epsilon,
-            "weight_decay": weight_decay,
-            "clipnorm": clipnorm,
-            "clipvalue": clipvalue,
-            "global_clipnorm": global_clipnorm,
-        }
+        defaults = keras_defaults(lr, 1e-3, options, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon)
         super().__init__(params, defaults)
 
-    def _advance(
-        self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step: int
-    ) -> None:
+    def _advance(self, p: Tensor, state: State, group: Group, step: int) -> None:
         # Keras's one `u_product` per optimizer (in the variables' dtype), advanced
         # once per step before any update: kept per parameter here, with the counter,
         # as a 0-dim CPU tensor (`load_state_dict` moves it to the parameter's device).
@@ -321,9 +239,7 @@ class Nadam(KerasOptimizer):
             product = state["u_product"] = product.cpu()
         product.fill_(_next_u_product(float(product), group["beta_1"], step, product.dtype))
 
-    def _scalars(
-        self, group: dict[str, Any], t: torch.Tensor, lr: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
+    def _scalars(self, group: Group, t: Tensor, lr: Tensor) -> dict[str, Tensor]:
         dtype = t.dtype
         decay = cast(0.96, dtype)  # Keras's momentum schedule: u_t = beta_1 * (1 - 0.5 * 0.96**t)
         beta_1, beta_2 = cast(group["beta_1"], dtype), cast(group["beta_2"], dtype)
@@ -338,14 +254,7 @@ class Nadam(KerasOptimizer):
             "epsilon": cast(group["epsilon"], dtype),
         }
 
-    def _update(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        state: dict[str, Any],
-        group: dict[str, Any],
-        s: Scalars,
-    ) -> None:
+    def _update(self, p: Tensor, grad: Tensor, state: State, group: Group, s: Scalars) -> None:
         one_minus_u_product_t, one_minus_u_product_t_1 = _one_minus_u_products(
             float(state["u_product"]), s["u_t_1"], p.dtype
         )
@@ -384,11 +293,7 @@ class Lion(KerasOptimizer):
         lr: the learning rate (Keras's ``learning_rate``, also accepted).
         beta_1: weight of the momentum in the update's sign, in (0, 1].
         beta_2: decay of the momentum.
-        weight_decay: ``var -= var * weight_decay * lr`` before each update (None: off).
-        clipnorm: clip each gradient to this norm.
-        clipvalue: clip each gradient's elements to ``[-clipvalue, clipvalue]``.
-        global_clipnorm: clip all gradients together to this global norm.
-        learning_rate: Keras's name of ``lr``.
+        **options: Keras's base options, by keyword (`KerasOptions`).
 
     Example:
         >>> import torch, distribute as ds
@@ -406,31 +311,16 @@ class Lion(KerasOptimizer):
         lr: float | None = None,
         beta_1: float = 0.9,
         beta_2: float = 0.99,
-        weight_decay: float | None = None,
-        clipnorm: float | None = None,
-        clipvalue: float | None = None,
-        global_clipnorm: float | None = None,
-        *,
-        learning_rate: float | None = None,
+        **options: Unpack[KerasOptions],
     ) -> None:
         if not 0.0 < beta_1 <= 1.0:
             raise InvalidArgumentError(
                 f"Lion's beta_1 must be in (0, 1] (else it is SignSGD), got {beta_1}"
             )
-        defaults = {
-            "lr": resolve_lr(lr, learning_rate, 1e-3),
-            "beta_1": beta_1,
-            "beta_2": beta_2,
-            "weight_decay": weight_decay,
-            "clipnorm": clipnorm,
-            "clipvalue": clipvalue,
-            "global_clipnorm": global_clipnorm,
-        }
+        defaults = keras_defaults(lr, 1e-3, options, beta_1=beta_1, beta_2=beta_2)
         super().__init__(params, defaults)
 
-    def _scalars(
-        self, group: dict[str, Any], t: torch.Tensor, lr: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
+    def _scalars(self, group: Group, t: Tensor, lr: Tensor) -> dict[str, Tensor]:
         beta_1, beta_2 = cast(group["beta_1"], t.dtype), cast(group["beta_2"], t.dtype)
         # 1.0 - beta in the dtype: Keras's betas are tensors here.
         return {
@@ -440,14 +330,7 @@ class Lion(KerasOptimizer):
             "1 - beta_2": 1.0 - beta_2,
         }
 
-    def _update(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        state: dict[str, Any],
-        group: dict[str, Any],
-        s: Scalars,
-    ) -> None:
+    def _update(self, p: Tensor, grad: Tensor, state: State, group: Group, s: Scalars) -> None:
         m = slot(state, "momentum", p)
         p.sub_(((m * s["beta_1"]).add_(grad * s["1 - beta_1"])).sign_().mul_(s["lr"]))
         m.mul_(s["beta_2"]).add_(grad * s["1 - beta_2"])
@@ -469,11 +352,7 @@ class Adafactor(KerasOptimizer):
         epsilon_2: the least parameter scale.
         clip_threshold: the update's RMS is clipped to this.
         relative_step: cap the learning rate at ``1 / sqrt(t)``.
-        weight_decay: ``var -= var * weight_decay * lr`` before each update (None: off).
-        clipnorm: clip each gradient to this norm.
-        clipvalue: clip each gradient's elements to ``[-clipvalue, clipvalue]``.
-        global_clipnorm: clip all gradients together to this global norm.
-        learning_rate: Keras's name of ``lr``.
+        **options: Keras's base options, by keyword (`KerasOptions`).
 
     Example:
         >>> import torch, distribute as ds
@@ -494,30 +373,21 @@ class Adafactor(KerasOptimizer):
         epsilon_2: float = 1e-3,
         clip_threshold: float = 1.0,
         relative_step: bool = True,
-        weight_decay: float | None = None,
-        clipnorm: float | None = None,
-        clipvalue: float | None = None,
-        global_clipnorm: float | None = None,
-        *,
-        learning_rate: float | None = None,
+        **options: Unpack[KerasOptions],
     ) -> None:
-        defaults = {
-            "lr": resolve_lr(lr, learning_rate, 1e-3),
-            "beta_2_decay": beta_2_decay,
-            "epsilon_1": epsilon_1,
-            "epsilon_2": epsilon_2,
-            "clip_threshold": clip_threshold,
-            "relative_step": relative_step,
-            "weight_decay": weight_decay,
-            "clipnorm": clipnorm,
-            "clipvalue": clipvalue,
-            "global_clipnorm": global_clipnorm,
-        }
+        defaults = keras_defaults(
+            lr,
+            1e-3,
+            options,
+            beta_2_decay=beta_2_decay,
+            epsilon_1=epsilon_1,
+            epsilon_2=epsilon_2,
+            clip_threshold=clip_threshold,
+            relative_step=relative_step,
+        )
         super().__init__(params, defaults)
 
-    def _scalars(
-        self, group: dict[str, Any], t: torch.Tensor, lr: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
+    def _scalars(self, group: Group, t: Tensor, lr: Tensor) -> dict[str, Tensor]:
         dtype = t.dtype
         if group["relative_step"]:
             lr = torch.minimum(lr, 1 / scalar_sqrt(t))
@@ -531,14 +401,7 @@ class Adafactor(KerasOptimizer):
             "clip_threshold": cast(group["clip_threshold"], dtype),
         }
 
-    def _update(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        state: dict[str, Any],
-        group: dict[str, Any],
-        s: Scalars,
-    ) -> None:
+    def _update(self, p: Tensor, grad: Tensor, state: State, group: Group, s: Scalars) -> None:
         beta_2_t, one_minus_beta_2_t = s["beta_2_t"], s["1 - beta_2_t"]
         alpha_t = torch.clamp(_rms(p), min=s["epsilon_2"]) * s["rho_t"]
         squared = grad.square().add_(s["epsilon_1"])

@@ -56,17 +56,47 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, overload
+from typing import Any, TypedDict, overload
 
 import torch
+from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from distribute.errors import InvalidArgumentError
 
-__all__ = ["KerasOptimizer"]
+__all__ = ["ClipOptions", "KerasOptimizer", "KerasOptions"]
 
 #: This step's scalars of one param group in one dtype, by name (`_scalars`).
 Scalars = dict[str, float]
+#: A parameter's optimizer state (``optimizer.state[p]``).
+State = dict[str, Any]
+#: A param group (``optimizer.param_groups[i]``).
+Group = dict[str, Any]
+
+
+class ClipOptions(TypedDict, total=False):
+    """Keras's base-optimizer options every optimizer takes by keyword, but for
+    ``weight_decay`` (`KerasOptions`).
+
+    Attributes:
+        clipnorm: clip each gradient to this norm.
+        clipvalue: clip each gradient's elements to ``[-clipvalue, clipvalue]``.
+        global_clipnorm: clip all gradients together to this global norm.
+        learning_rate: Keras's name of ``lr`` (pass one of the two).
+    """
+
+    clipnorm: float | None
+    clipvalue: float | None
+    global_clipnorm: float | None
+    learning_rate: float | None
+
+
+class KerasOptions(ClipOptions, total=False):
+    """`ClipOptions` and ``weight_decay``: ``var -= var * weight_decay * lr`` before
+    each update (None: off)."""
+
+    weight_decay: float | None
+
 
 #: The constructor arguments of Keras's base optimizer that change numbers.
 BASE_DEFAULTS: dict[str, Any] = {
@@ -110,6 +140,17 @@ def keras_lr(lr: float, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(lr, dtype=torch.float32).to(dtype)
 
 
+def keras_defaults(
+    lr: float | None, default_lr: float, options: KerasOptions, **hyperparameters: Any
+) -> dict[str, Any]:
+    """An optimizer's param-group defaults: the learning rate (torch's ``lr`` or
+    Keras's ``learning_rate`` in ``options``, else ``default_lr``), its own
+    ``hyperparameters``, then Keras's base options (`KerasOptions`)."""
+    base = {name: options.get(name) for name in BASE_DEFAULTS}
+    lr = resolve_lr(lr, options.get("learning_rate"), default_lr)
+    return {"lr": lr, **hyperparameters, **base}
+
+
 def _check_clipping(group: dict[str, Any]) -> None:
     names = ("clipnorm", "clipvalue", "global_clipnorm")
     given = {n: group.get(n) for n in names if group.get(n) is not None}
@@ -123,9 +164,11 @@ def _check_clipping(group: dict[str, Any]) -> None:
 class KerasOptimizer(torch.optim.Optimizer):
     """A torch optimizer with Keras 3's step: clip, decay, update, count.
 
-    Subclasses give their defaults, `_scalars` (the step's numbers, NOTE [Keras's
-    arithmetic, in the variable's dtype]) and `_update` (Keras's ``update_step`` for
-    one parameter); see NOTE [Keras's step, in torch]. Any subclass works wherever a
+    Subclasses give their defaults (their own hyperparameters, and Keras's base options
+    taken as ``**options: Unpack[KerasOptions]``, joined by `keras_defaults`),
+    `_scalars` (the step's numbers, NOTE [Keras's arithmetic, in the variable's dtype])
+    and `_update` (Keras's ``update_step`` for one parameter); see NOTE [Keras's step,
+    in torch]. Any subclass works wherever a
     ``torch.optim`` optimizer does: inside ``strategy.run``, with learning-rate
     schedulers, in checkpoints.
 
@@ -151,9 +194,7 @@ class KerasOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             _check_clipping(group)
 
-    def _scalars(
-        self, group: dict[str, Any], t: torch.Tensor, lr: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
+    def _scalars(self, group: Group, t: Tensor, lr: Tensor) -> dict[str, Tensor]:
         """This step's scalars for `_update`, computed as Keras computes them (NOTE
         [Keras's arithmetic, in the variable's dtype]).
 
@@ -169,21 +210,12 @@ class KerasOptimizer(torch.optim.Optimizer):
         """
         return {}
 
-    def _update(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        state: dict[str, Any],
-        group: dict[str, Any],
-        s: Scalars,
-    ) -> None:
+    def _update(self, p: Tensor, grad: Tensor, state: State, group: Group, s: Scalars) -> None:
         """Keras's ``update_step``: updates ``p`` in place with this step's ``grad``
         (in ``p``'s dtype) and scalars ``s`` (`_scalars`, with ``"lr"``)."""
         raise NotImplementedError
 
-    def _advance(
-        self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step: int
-    ) -> None:
+    def _advance(self, p: Tensor, state: State, group: Group, step: int) -> None:
         """Per-step bookkeeping done whether or not ``p`` has a gradient (Nadam's
         ``u_product``); nothing by default."""
 

@@ -1,25 +1,31 @@
 """Keras 3's SGD and accumulator optimizers: SGD, RMSprop, Adagrad, Adadelta, Ftrl.
 
-Each `_update` is the Keras optimizer's ``update_step`` for one parameter, in the
-same order of operations (``keras/src/optimizers/<name>.py``); the base class does
-the clipping, weight decay and step counting (NOTE [Keras's step, in torch]).
+Each class gives Keras's ``update_step`` (``keras/src/optimizers/<name>.py``) for
+one parameter as `_update`, in Keras's order of operations, and the step's numbers as
+`_scalars`; `KerasOptimizer` does the rest (NOTE [Keras's step, in torch]).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-import torch
+from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from distribute.errors import InvalidArgumentError
 from distribute.training.optimizers._base import (
+    Group,
     KerasOptimizer,
+    KerasOptions,
     Scalars,
+    State,
     cast,
-    resolve_lr,
+    keras_defaults,
     slot,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["SGD", "Adadelta", "Adagrad", "Ftrl", "RMSprop"]
 
@@ -35,11 +41,7 @@ class SGD(KerasOptimizer):
         lr: the learning rate (Keras's ``learning_rate``, also accepted).
         momentum: a float in [0, 1]; 0 keeps no momentum.
         nesterov: Nesterov momentum.
-        weight_decay: ``var -= var * weight_decay * lr`` before each update (None: off).
-        clipnorm: clip each gradient to this norm.
-        clipvalue: clip each gradient's elements to ``[-clipvalue, clipvalue]``.
-        global_clipnorm: clip all gradients together to this global norm.
-        learning_rate: Keras's name of ``lr``.
+        **options: Keras's base options, by keyword (`KerasOptions`).
 
     Example:
         >>> import torch, distribute as ds
@@ -58,39 +60,17 @@ class SGD(KerasOptimizer):
         lr: float | None = None,
         momentum: float = 0.0,
         nesterov: bool = False,
-        weight_decay: float | None = None,
-        clipnorm: float | None = None,
-        clipvalue: float | None = None,
-        global_clipnorm: float | None = None,
-        *,
-        learning_rate: float | None = None,
+        **options: Unpack[KerasOptions],
     ) -> None:
         if not 0.0 <= momentum <= 1.0:
             raise InvalidArgumentError(f"SGD's momentum must be in [0, 1], got {momentum}")
-        defaults = {
-            "lr": resolve_lr(lr, learning_rate, 0.01),
-            "momentum": momentum,
-            "nesterov": nesterov,
-            "weight_decay": weight_decay,
-            "clipnorm": clipnorm,
-            "clipvalue": clipvalue,
-            "global_clipnorm": global_clipnorm,
-        }
+        defaults = keras_defaults(lr, 0.01, options, momentum=momentum, nesterov=nesterov)
         super().__init__(params, defaults)
 
-    def _scalars(
-        self, group: dict[str, Any], t: torch.Tensor, lr: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
+    def _scalars(self, group: Group, t: Tensor, lr: Tensor) -> dict[str, Tensor]:
         return {"momentum": cast(group["momentum"], t.dtype)}
 
-    def _update(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        state: dict[str, Any],
-        group: dict[str, Any],
-        s: Scalars,
-    ) -> None:
+    def _update(self, p: Tensor, grad: Tensor, state: State, group: Group, s: Scalars) -> None:
         lr = s["lr"]
         if group["momentum"] == 0:
             p.sub_(grad * lr)
@@ -117,11 +97,7 @@ class RMSprop(KerasOptimizer):
         momentum: momentum of the increments (0: none).
         epsilon: added to the average before the square root.
         centered: divide by the variance estimate rather than the second moment.
-        weight_decay: ``var -= var * weight_decay * lr`` before each update (None: off).
-        clipnorm: clip each gradient to this norm.
-        clipvalue: clip each gradient's elements to ``[-clipvalue, clipvalue]``.
-        global_clipnorm: clip all gradients together to this global norm.
-        learning_rate: Keras's name of ``lr``.
+        **options: Keras's base options, by keyword (`KerasOptions`).
 
     Example:
         >>> import torch, distribute as ds
@@ -141,29 +117,14 @@ class RMSprop(KerasOptimizer):
         momentum: float = 0.0,
         epsilon: float = 1e-7,
         centered: bool = False,
-        weight_decay: float | None = None,
-        clipnorm: float | None = None,
-        clipvalue: float | None = None,
-        global_clipnorm: float | None = None,
-        *,
-        learning_rate: float | None = None,
+        **options: Unpack[KerasOptions],
     ) -> None:
-        defaults = {
-            "lr": resolve_lr(lr, learning_rate, 1e-3),
-            "rho": rho,
-            "momentum": momentum,
-            "epsilon": epsilon,
-            "centered": centered,
-            "weight_decay": weight_decay,
-            "clipnorm": clipnorm,
-            "clipvalue": clipvalue,
-            "global_clipnorm": global_clipnorm,
-        }
+        defaults = keras_defaults(
+            lr, 1e-3, options, rho=rho, momentum=momentum, epsilon=epsilon, centered=centered
+        )
         super().__init__(params, defaults)
 
-    def _scalars(
-        self, group: dict[str, Any], t: torch.Tensor, lr: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
+    def _scalars(self, group: Group, t: Tensor, lr: Tensor) -> dict[str, Tensor]:
         names = {
             "rho": group["rho"],
             "1 - rho": 1 - group["rho"],  # in Python, as Keras's (rho is a number there)
@@ -172,14 +133,7 @@ class RMSprop(KerasOptimizer):
         }
         return {name: cast(value, t.dtype) for name, value in names.items()}
 
-    def _update(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        state: dict[str, Any],
-        group: dict[str, Any],
-        s: Scalars,
-    ) -> None:
+    def _update(self, p: Tensor, grad: Tensor, state: State, group: Group, s: Scalars) -> None:
         rho, one_minus_rho, epsilon = s["rho"], s["1 - rho"], s["epsilon"]
         velocity = slot(state, "velocity", p)
         velocity.mul_(rho).add_(grad.square().mul_(one_minus_rho))
@@ -207,11 +161,7 @@ class Adagrad(KerasOptimizer):
         lr: the learning rate (Keras's ``learning_rate``, also accepted).
         initial_accumulator_value: the accumulator's starting value.
         epsilon: added to the accumulator before the square root.
-        weight_decay: ``var -= var * weight_decay * lr`` before each update (None: off).
-        clipnorm: clip each gradient to this norm.
-        clipvalue: clip each gradient's elements to ``[-clipvalue, clipvalue]``.
-        global_clipnorm: clip all gradients together to this global norm.
-        learning_rate: Keras's name of ``lr``.
+        **options: Keras's base options, by keyword (`KerasOptions`).
 
     Example:
         >>> import torch, distribute as ds
@@ -229,37 +179,17 @@ class Adagrad(KerasOptimizer):
         lr: float | None = None,
         initial_accumulator_value: float = 0.1,
         epsilon: float = 1e-7,
-        weight_decay: float | None = None,
-        clipnorm: float | None = None,
-        clipvalue: float | None = None,
-        global_clipnorm: float | None = None,
-        *,
-        learning_rate: float | None = None,
+        **options: Unpack[KerasOptions],
     ) -> None:
-        defaults = {
-            "lr": resolve_lr(lr, learning_rate, 1e-3),
-            "initial_accumulator_value": initial_accumulator_value,
-            "epsilon": epsilon,
-            "weight_decay": weight_decay,
-            "clipnorm": clipnorm,
-            "clipvalue": clipvalue,
-            "global_clipnorm": global_clipnorm,
-        }
+        defaults = keras_defaults(
+            lr, 1e-3, options, initial_accumulator_value=initial_accumulator_value, epsilon=epsilon
+        )
         super().__init__(params, defaults)
 
-    def _scalars(
-        self, group: dict[str, Any], t: torch.Tensor, lr: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
+    def _scalars(self, group: Group, t: Tensor, lr: Tensor) -> dict[str, Tensor]:
         return {"epsilon": cast(group["epsilon"], t.dtype)}
 
-    def _update(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        state: dict[str, Any],
-        group: dict[str, Any],
-        s: Scalars,
-    ) -> None:
+    def _update(self, p: Tensor, grad: Tensor, state: State, group: Group, s: Scalars) -> None:
         accumulator = slot(state, "accumulator", p, group["initial_accumulator_value"])
         accumulator.add_(grad.square())
         p.sub_((grad * s["lr"]).div_((accumulator + s["epsilon"]).sqrt_()))
@@ -274,11 +204,7 @@ class Adadelta(KerasOptimizer):
         lr: the learning rate (Keras's ``learning_rate``, also accepted).
         rho: decay of both accumulators.
         epsilon: added inside the square roots.
-        weight_decay: ``var -= var * weight_decay * lr`` before each update (None: off).
-        clipnorm: clip each gradient to this norm.
-        clipvalue: clip each gradient's elements to ``[-clipvalue, clipvalue]``.
-        global_clipnorm: clip all gradients together to this global norm.
-        learning_rate: Keras's name of ``lr``.
+        **options: Keras's base options, by keyword (`KerasOptions`).
 
     Example:
         >>> import torch, distribute as ds
@@ -296,39 +222,17 @@ class Adadelta(KerasOptimizer):
         lr: float | None = None,
         rho: float = 0.95,
         epsilon: float = 1e-7,
-        weight_decay: float | None = None,
-        clipnorm: float | None = None,
-        clipvalue: float | None = None,
-        global_clipnorm: float | None = None,
-        *,
-        learning_rate: float | None = None,
+        **options: Unpack[KerasOptions],
     ) -> None:
-        defaults = {
-            "lr": resolve_lr(lr, learning_rate, 1e-3),
-            "rho": rho,
-            "epsilon": epsilon,
-            "weight_decay": weight_decay,
-            "clipnorm": clipnorm,
-            "clipvalue": clipvalue,
-            "global_clipnorm": global_clipnorm,
-        }
+        defaults = keras_defaults(lr, 1e-3, options, rho=rho, epsilon=epsilon)
         super().__init__(params, defaults)
 
-    def _scalars(
-        self, group: dict[str, Any], t: torch.Tensor, lr: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
+    def _scalars(self, group: Group, t: Tensor, lr: Tensor) -> dict[str, Tensor]:
         # 1 - rho in Python, as Keras's (rho is a number there).
         names = {"rho": group["rho"], "1 - rho": 1 - group["rho"], "epsilon": group["epsilon"]}
         return {name: cast(value, t.dtype) for name, value in names.items()}
 
-    def _update(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        state: dict[str, Any],
-        group: dict[str, Any],
-        s: Scalars,
-    ) -> None:
+    def _update(self, p: Tensor, grad: Tensor, state: State, group: Group, s: Scalars) -> None:
         rho, one_minus_rho, epsilon = s["rho"], s["1 - rho"], s["epsilon"]
         accumulated_grad = slot(state, "accumulated_grad", p)
         accumulated_delta = slot(state, "accumulated_delta_var", p)
@@ -353,11 +257,7 @@ class Ftrl(KerasOptimizer):
         l2_regularization_strength: >= 0.
         l2_shrinkage_regularization_strength: >= 0; applied to the gradient.
         beta: added to the L2 strength as ``beta / (2 * lr)``.
-        weight_decay: ``var -= var * weight_decay * lr`` before each update (None: off).
-        clipnorm: clip each gradient to this norm.
-        clipvalue: clip each gradient's elements to ``[-clipvalue, clipvalue]``.
-        global_clipnorm: clip all gradients together to this global norm.
-        learning_rate: Keras's name of ``lr``.
+        **options: Keras's base options, by keyword (`KerasOptions`).
 
     Example:
         >>> import torch, distribute as ds
@@ -379,12 +279,7 @@ class Ftrl(KerasOptimizer):
         l2_regularization_strength: float = 0.0,
         l2_shrinkage_regularization_strength: float = 0.0,
         beta: float = 0.0,
-        weight_decay: float | None = None,
-        clipnorm: float | None = None,
-        clipvalue: float | None = None,
-        global_clipnorm: float | None = None,
-        *,
-        learning_rate: float | None = None,
+        **options: Unpack[KerasOptions],
     ) -> None:
         if learning_rate_power > 0.0:
             raise InvalidArgumentError(
@@ -398,24 +293,20 @@ class Ftrl(KerasOptimizer):
         ):
             if value < 0.0:
                 raise InvalidArgumentError(f"Ftrl's {name} must be >= 0, got {value}")
-        defaults = {
-            "lr": resolve_lr(lr, learning_rate, 1e-3),
-            "learning_rate_power": learning_rate_power,
-            "initial_accumulator_value": initial_accumulator_value,
-            "l1_regularization_strength": l1_regularization_strength,
-            "l2_regularization_strength": l2_regularization_strength,
-            "l2_shrinkage_regularization_strength": l2_shrinkage_regularization_strength,
-            "beta": beta,
-            "weight_decay": weight_decay,
-            "clipnorm": clipnorm,
-            "clipvalue": clipvalue,
-            "global_clipnorm": global_clipnorm,
-        }
+        defaults = keras_defaults(
+            lr,
+            1e-3,
+            options,
+            learning_rate_power=learning_rate_power,
+            initial_accumulator_value=initial_accumulator_value,
+            l1_regularization_strength=l1_regularization_strength,
+            l2_regularization_strength=l2_regularization_strength,
+            l2_shrinkage_regularization_strength=l2_shrinkage_regularization_strength,
+            beta=beta,
+        )
         super().__init__(params, defaults)
 
-    def _scalars(
-        self, group: dict[str, Any], t: torch.Tensor, lr: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
+    def _scalars(self, group: Group, t: Tensor, lr: Tensor) -> dict[str, Tensor]:
         dtype = t.dtype
         # Keras's l2 + beta / (2.0 * lr), in the dtype (lr is a tensor there).
         l2 = cast(group["l2_regularization_strength"], dtype)
@@ -427,14 +318,7 @@ class Ftrl(KerasOptimizer):
             "2 * l2_shrinkage": cast(2 * group["l2_shrinkage_regularization_strength"], dtype),
         }
 
-    def _update(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        state: dict[str, Any],
-        group: dict[str, Any],
-        s: Scalars,
-    ) -> None:
+    def _update(self, p: Tensor, grad: Tensor, state: State, group: Group, s: Scalars) -> None:
         lr, power, l1 = s["lr"], s["-learning_rate_power"], s["l1"]
         accumulator = slot(state, "accumulator", p, group["initial_accumulator_value"])
         linear = slot(state, "linear", p)
