@@ -59,7 +59,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distribute import _marks, _torch
-from distribute.errors import InvalidArgumentError
 from distribute.strategies._layout import (
     LayoutMap,
     TensorLayout,
@@ -355,12 +354,9 @@ class LaidOutModules:
         # What the scope built, its laid-out roots, the optimizers built over them.
         self._recorder = ModuleRecorder("ModelParallelStrategy")
         self.optimizers = self._recorder.optimizers
-        self.trainable: list[torch.Tensor] = []  # every laid-out trainable parameter
-
-    @property
-    def sharded_by_fsdp(self) -> bool:
-        """Whether FSDP2 shards (and sums) along the batch axis."""
-        return self._fully_shard
+        #: The laid-out trainable parameters whose gradients the batch-axis sums handle
+        #: (FSDP2 sums those of a root it shards along the batch axis).
+        self.trainable: list[torch.Tensor] = []
 
     def in_no_sync(self) -> bool:
         """Whether the strategy is inside ``no_sync()``."""
@@ -446,8 +442,16 @@ class LaidOutModules:
 
     def _lay_out(self, root: torch.nn.Module) -> None:
         plan = self._plan
-        layouts = resolve_layouts(self._layout_map, root)
-        self._refuse_batch_axis(layouts)
+        # NOTE [the batch axis in a layout]: a variable whose layout names the batch
+        # axis is split along it by FSDP2 (Keras allows it; API.md), the model axes by
+        # DTensor as usual; FSDP2 then shards the whole root along the batch axis (its
+        # other variables on dim 0, as fully_shard=True), so that every parameter and
+        # gradient lives on the one 2-D mesh (clip_grad_norm_ and foreach optimizers
+        # refuse DTensors of two meshes), and it sums their gradients (reduce-scatter).
+        layouts, batch_dims = _split_off_batch_axis(
+            resolve_layouts(self._layout_map, root), plan.batch_axis
+        )
+        by_fsdp = plan.batch_size > 1 and (self._fully_shard or bool(batch_dims))
         before = dict(root.named_parameters(remove_duplicate=False))
         slots = _slots(root)
         tensors = [t for t, _ in slots.values()]
@@ -461,21 +465,9 @@ class LaidOutModules:
             with torch.no_grad():
                 for tensor in tensors:
                     tensor.data = tensor.data.to(plan.device)
-        if self._fully_shard:
-            self._shard_batch_axis(root)
-        self._finish(root, before)
-
-    def _refuse_batch_axis(self, layouts: dict[str, TensorLayout | None]) -> None:
-        batch = self._plan.batch_axis
-        for path, layout in layouts.items():
-            if layout is not None and batch in layout.axes:
-                raise InvalidArgumentError(
-                    f"the layout of {path!r} is {layout.axes}, which names the batch axis "
-                    f"{batch!r} (batch_dim_name), along which the strategy splits the batch "
-                    "and keeps one copy of the model per batch group; name a model axis "
-                    f"{self._plan.model_axes or '(the mesh has none)'} instead, or pass "
-                    "fully_shard=True to shard every variable along the batch axis (FSDP2)"
-                )
+        if by_fsdp:
+            self._shard_batch_axis(root, batch_dims)
+        self._finish(root, before, summed_by_fsdp=by_fsdp)
 
     def _distribute(
         self,
@@ -545,19 +537,28 @@ class LaidOutModules:
         for module in root.modules():
             self._view.attach(module)
 
-    def _shard_batch_axis(self, root: torch.nn.Module) -> None:
+    def _shard_batch_axis(self, root: torch.nn.Module, batch_dims: dict[str, int]) -> None:
         """FSDP2 along the batch axis, over the tensor-parallel DTensors (2-D, as
-        torchtitan composes them), summing (not averaging) gradients."""
+        torchtitan composes them), summing (not averaging) gradients; a variable whose
+        layout names the batch axis is split along the dimension it names there
+        (``batch_dims``: by path), the others along their first."""
         from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.tensor import Shard
 
         from distribute.strategies._sharding import check_unit_dtypes, choose_units
+
+        named = {id(root.get_parameter(path)): dim for path, dim in batch_dims.items()}
+
+        def placement(param: torch.nn.Parameter) -> Any:
+            dim = named.get(id(param))
+            return Shard(dim) if dim is not None else None
 
         units = choose_units(root, None)
         check_unit_dtypes(root, units)
         mesh = self._plan.batch_mesh
         for unit in units:  # deepest first
-            fully_shard(unit, mesh=mesh)
-        fully_shard(root, mesh=mesh)
+            fully_shard(unit, mesh=mesh, shard_placement_fn=placement)
+        fully_shard(root, mesh=mesh, shard_placement_fn=placement)
         for module in root.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
@@ -565,7 +566,9 @@ class LaidOutModules:
                 if hasattr(module, "set_reduce_scatter_unused_params"):  # torch 2.11 lacks it
                     module.set_reduce_scatter_unused_params(True, recurse=False)
 
-    def _finish(self, root: torch.nn.Module, before: dict[str, torch.nn.Parameter]) -> None:
+    def _finish(
+        self, root: torch.nn.Module, before: dict[str, torch.nn.Parameter], summed_by_fsdp: bool
+    ) -> None:
         strategy = self._strategy_ref()
         after = dict(root.named_parameters(remove_duplicate=False))
         replaced: dict[int, torch.nn.Parameter] = {}
@@ -577,7 +580,7 @@ class LaidOutModules:
             _marks.mark_managed(tensor, strategy)  # read by checkpoints
         for param in root.parameters():  # each once, in registration order
             _marks.mark_managed(param, strategy)  # read by the step hooks
-            if param.requires_grad:
+            if param.requires_grad and not summed_by_fsdp:
                 self.trainable.append(param)
         self._recorder.repoint(replaced)
         self._recorder.keep(root)
@@ -597,6 +600,29 @@ class LaidOutModules:
 def _set_gradient_sync(root: torch.nn.Module, sync: bool) -> None:
     if hasattr(root, "set_requires_gradient_sync"):  # FSDP's roots (fully_shard=True)
         root.set_requires_gradient_sync(sync)  # type: ignore[operator]  # an FSDPModule's
+
+
+def _split_off_batch_axis(
+    layouts: dict[str, TensorLayout | None], batch_axis: str
+) -> tuple[dict[str, TensorLayout | None], dict[str, int]]:
+    """The layouts with the batch axis taken out (DTensor lays out the model axes), and
+    for each path whose layout named it, the dimension split along it (FSDP2's).
+
+    Example:
+        >>> split = _split_off_batch_axis({"w": TensorLayout(("model", "batch"))}, "batch")
+        >>> split[0]["w"].axes, split[1]
+        (('model', None), {'w': 1})
+    """
+    rest: dict[str, TensorLayout | None] = {}
+    dims: dict[str, int] = {}
+    for path, layout in layouts.items():
+        if layout is None or batch_axis not in layout.axes:
+            rest[path] = layout
+            continue
+        dims[path] = layout.axes.index(batch_axis)
+        axes = tuple(None if a == batch_axis else a for a in layout.axes)
+        rest[path] = TensorLayout(axes, layout.device_mesh)
+    return rest, dims
 
 
 def _slots(

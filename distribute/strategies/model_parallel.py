@@ -460,7 +460,12 @@ class ModelParallelStrategy(WorkerIdentity, Strategy):
             named), a mesh listing several devices for one worker, an unknown
             ``batch_dim_name``; when the model is laid out: a layout of the wrong rank or
             naming an unknown axis (the variable's path and the layout are named), a
-            path two keys match (the path and the keys), a layout naming the batch axis.
+            path two keys match (the path and the keys).
+
+    A layout may name the batch axis (as Keras allows): that dimension is split along
+    it by FSDP2, which then shards the whole model along the batch axis (its other
+    variables on their first dimension, as ``fully_shard=True``) and sums the
+    gradients there.
 
     Example:
         >>> import distribute as ds, torch
