@@ -79,7 +79,7 @@ def pack_by_bytes(
 
     Returns:
       Lists of indices into ``nbytes``, in walk order; every index appears
-      exactly once.
+          exactly once.
 
     Example::
 

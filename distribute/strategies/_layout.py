@@ -320,8 +320,8 @@ def resolve_layouts(
         buffers: whether buffers are resolved too.
 
     Returns:
-        ``{path: layout or None}`` in ``named_parameters()`` then ``named_buffers()``
-        order (duplicates included).
+        ``{path: layout or None}`` in ``named_parameters()`` then
+            ``named_buffers()`` order (duplicates included).
 
     Raises:
         InvalidArgumentError: a layout whose length is not the variable's number of
