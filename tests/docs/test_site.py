@@ -1,6 +1,6 @@
 """The built documentation site: every public name has its anchor, internal links
-resolve, and headless Chromium renders pages without console errors and finds
-`MirroredStrategy` with the site's search.
+resolve, and headless Chromium renders pages without console errors, shows the
+performance charts, and its search reaches API names and guides first.
 
 The site comes from the ``site`` fixture (conftest.py: built here, or CI's ``site/``).
 The browser tests drive Debian's ``chromium`` through its ``chromedriver`` (packages
@@ -221,16 +221,33 @@ def test_a_page_renders_without_console_errors(
     browser.save_screenshot(str(tmp_path / f"{name}.png"))  # type: ignore[attr-defined]
 
 
-def test_the_search_finds_mirrored_strategy(server: str, browser: object) -> None:
+#: A query, and the page and anchor its first result must reach: API entries by their
+#: short names (docs/hooks/search.py titles them by dotted path and ranks a base class's
+#: method above its overrides), and a guide above the API for a guide's subject.
+SEARCHES = {
+    "MirroredStrategy": "guide/mirrored/",  # the guide named for it
+    "MirroredVariable": "api/distribute/#distribute.MirroredVariable",
+    "SyncOnReadVariable": "api/distribute/#distribute.SyncOnReadVariable",
+    "run": "api/distribute/#distribute.Strategy.run",
+    "fit": "guide/keras_fit/",
+}
+
+
+@pytest.mark.parametrize("query", sorted(SEARCHES))
+def test_the_search_reaches_the_entry_first(query: str, server: str, browser: object) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    browser.get(f"{server}/?q=MirroredStrategy")  # type: ignore[attr-defined]
+    browser.get(f"{server}/?q={query}")  # type: ignore[attr-defined]
     items = WebDriverWait(browser, 30).until(  # type: ignore[arg-type]
         lambda b: b.find_elements(By.CSS_SELECTOR, ".md-search-result__item")
     )
-    first = items[0].find_element(By.TAG_NAME, "a")
-    assert "MirroredStrategy" in items[0].text
-    assert first.get_attribute("href").startswith(server)
+    links = [a.get_attribute("href") for a in items[0].find_elements(By.TAG_NAME, "a")]
+    page, _, anchor = SEARCHES[query].partition("#")
+    assert links and all(link.startswith(f"{server}/{page}") for link in links), links
+    if anchor:
+        # The first result is the page; its first section is the entry.
+        sections = [link for link in links if "#" in link]
+        assert sections and sections[0].endswith(f"#{anchor}"), links
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]  # type: ignore[attr-defined]
     assert not errors, errors
