@@ -76,7 +76,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from distribute import _torch
-from distribute.errors import InvalidArgumentError
+from distribute.errors import InvalidArgumentError, LateInitError
 from distribute.strategies._optimizer_watch import OptimizerWatch
 
 if TYPE_CHECKING:
@@ -595,10 +595,6 @@ def _repoint_optimizers(
 
 
 # -- deferred initialization ----------------------------------------------------------------
-
-
-class LateInitError(InvalidArgumentError):
-    """A module's code used a parameter after it was sharded away (deferred init)."""
 
 
 #: Operations that only look at a finished (meta) parameter's metadata.
