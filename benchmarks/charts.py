@@ -1,22 +1,22 @@
-"""Charts of the benchmark figures for the documentation's performance page.
+"""The performance page's charts and tables, drawn from one results file of run_all.py.
 
-Reads the JSON lines the benchmarks print (stored under ``benchmarks/results/``; see
-its README for where each file comes from) and draws two PNGs:
+``python benchmarks/run_all.py [--quick]`` writes a dated results file to
+``benchmarks/results/`` (its docstring says what each line holds). This reads the
+newest one (or ``--results FILE``) and writes, from its lines only:
 
-- ``speed.png``: speed against the baselines, as a ratio (> 1: faster):
-  `MirroredStrategy`'s custom loop and ``ds.Model.fit`` against TensorFlow 2.21's
-  (``bench_vs_tensorflow.py``: steps per second), and a `MultiWorkerMirroredStrategy`
-  training step against ``DistributedDataParallel`` (``bench_multi_worker.py``: step
-  time, inverted so that higher is faster here too);
-- ``sharded_memory.png``: memory per worker of `FullyShardedStrategy` against
-  `MultiWorkerMirroredStrategy` by world size (``bench_sharded.py --only memory``):
-  the state kept (parameters, gradients, Adam), the peak of live tensors and the
-  growth of the resident set.
+- ``docs/assets/charts/speed.png``: the speed figures (against TensorFlow 2.21 and
+  ``DistributedDataParallel``) as a ratio, higher is faster: the median of the
+  repetitions and a bar from the slowest to the fastest;
+- ``docs/assets/charts/sharded_memory.png``: memory per worker of
+  `FullyShardedStrategy` against `MultiWorkerMirroredStrategy` (state kept, peak of
+  live tensors, resident set growth), MiB, by world size;
+- ``benchmarks/results/figures.md``: the tables the page includes (its sections
+  ``run``, ``speed``, ``memory``, ``overhead``): every figure with its median, its
+  range, the load average, its baseline, goal and caveat, and a ``not rerun`` row for
+  a figure that could not run.
 
-One command redraws both (``pip install -c constraints.txt -e ".[docs]"`` first)::
-
-    python benchmarks/charts.py                      # -> docs/assets/charts/*.png
-    python benchmarks/charts.py --results DIR --out DIR
+    python benchmarks/charts.py                      # the newest results file
+    python benchmarks/charts.py --results benchmarks/results/2026-11-28T2243Z-quick.jsonl
 """
 
 from __future__ import annotations
@@ -31,12 +31,20 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 OUT = ROOT / "docs" / "assets" / "charts"
-COLORS = {"distribute": "#3f51b5", "baseline": "#9e9e9e", "state": "#7986cb"}
+TABLES = RESULTS / "figures.md"
+COLORS = {"distribute": "#3f51b5", "baseline": "#9e9e9e", "range": "#1a237e"}
+
+Line = dict[str, Any]
 
 
-def read_lines(paths: Iterable[Path]) -> list[dict[str, Any]]:
-    """Every JSON object line of ``paths`` (other lines, warnings, are skipped)."""
-    lines: list[dict[str, Any]] = []
+def results_files(folder: Path) -> list[Path]:
+    """The results files of run_all.py in ``folder``, oldest first (by their dated names)."""
+    return sorted(p for p in folder.glob("*.jsonl") if p.name[:4].isdigit())
+
+
+def read_lines(paths: Iterable[Path]) -> list[Line]:
+    """Every JSON object line of ``paths`` (other lines are skipped)."""
+    lines: list[Line] = []
     for path in paths:
         for text in path.read_text(encoding="utf-8").splitlines():
             text = text.strip()
@@ -45,44 +53,108 @@ def read_lines(paths: Iterable[Path]) -> list[dict[str, Any]]:
     return lines
 
 
-def speed_bars(lines: list[dict[str, Any]]) -> list[tuple[str, float]]:
-    """(label, speed ratio) per figure; > 1 means distribute is faster."""
-    bars: list[tuple[str, float]] = []
-    for line in lines:
-        if line.get("bench") == "loop" and "tensorflow_steps_per_s" in line:
-            bars.append(
-                (
-                    "Custom loop vs TensorFlow 2.21\n(MirroredStrategy, 2 CPU devices)",
-                    line["distribute_steps_per_s"] / line["tensorflow_steps_per_s"],
-                )
-            )
-        elif line.get("bench") == "fit" and "tensorflow_steps_per_s" in line:
-            bars.append(
-                (
-                    "Model.fit vs Keras fit, TF 2.21\n(MirroredStrategy, 2 CPU devices)",
-                    line["distribute_steps_per_s"] / line["tensorflow_steps_per_s"],
-                )
-            )
-    ddp = [line for line in lines if line.get("bench") == "train_step_vs_ddp"]
-    if ddp:
-        median = statistics.median(line["distribute_ms"] / line["baseline_ms"] for line in ddp)
-        bars.append(("Training step vs DDP\n(MultiWorkerMirrored, 2 gloo workers)", 1.0 / median))
-    return bars
+def read_run(path: Path) -> tuple[Line, list[Line]]:
+    """(the ``run`` line, the ``figure`` lines) of one results file."""
+    lines = read_lines([path])
+    runs = [line for line in lines if line.get("kind") == "run"]
+    if len(runs) != 1:
+        raise SystemExit(f"{path}: expected one 'run' line, found {len(runs)}")
+    return runs[0], [line for line in lines if line.get("kind") == "figure"]
 
 
-def memory_table(lines: list[dict[str, Any]]) -> dict[int, dict[str, tuple[float, float]]]:
-    """{workers: {figure: (MultiWorkerMirrored MiB, FullySharded MiB)}} (medians)."""
-    table: dict[int, dict[str, tuple[float, float]]] = {}
-    names = {"state_vs_mirrored": "state", "peak_vs_mirrored": "peak", "rss_vs_mirrored": "rss"}
-    for line in lines:
-        figure = names.get(str(line.get("bench")))
-        if figure is None:
-            continue
-        table.setdefault(int(line["workers"]), {})[figure] = (
-            float(line["baseline_mib"]["median"]),
-            float(line["distribute_mib"]["median"]),
+def measured(figure: Line) -> bool:
+    return figure.get("status") == "measured"
+
+
+def _number(value: float, unit: str) -> str:
+    if unit.startswith("microseconds"):
+        return f"{value:.0f} µs"
+    return f"{value:.2f}"
+
+
+def cell(figure: Line) -> str:
+    """``median (min-max, n runs)``, or why the figure was not rerun."""
+    if not measured(figure):
+        return f"not rerun: {figure.get('reason', '')}".strip()
+    unit = str(figure["unit"])
+    n = len(figure["repetitions"])
+    return (
+        f"**{_number(figure['median'], unit)}** "
+        f"({_number(figure['min'], unit)}-{_number(figure['max'], unit)}, {n} runs)"
+    )
+
+
+def load_cell(figure: Line) -> str:
+    values = figure.get("loadavg_1m_before_each") or []
+    if not values:
+        return ""
+    return f"{min(values):.1f}-{max(values):.1f}" if len(values) > 1 else f"{values[0]:.1f}"
+
+
+def _escape(text: Any) -> str:
+    return str(text if text is not None else "").replace("|", "\\|").replace("\n", " ")
+
+
+def figures_table(figures: list[Line]) -> list[str]:
+    rows = [
+        "| Figure, against its baseline | Median (range of the runs) | Goal | Load | Caveat |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for f in figures:
+        result = cell(f)
+        if measured(f):
+            result += f"; {f['unit']}, {f['better']} is better"
+        rows.append(
+            f"| {_escape(f['title'])}; against {_escape(f['baseline'])} | {_escape(result)} | "
+            f"{_escape(f.get('goal') or 'reported')} | {load_cell(f)} | {_escape(f['caveat'])} |"
         )
-    return table
+    return rows
+
+
+def run_paragraph(run: Line, figures: list[Line], path: Path) -> list[str]:
+    machine, versions = run["machine"], run["versions"]
+    tf = versions.get("tensorflow")
+    seen = loads(run, figures)
+    text = [
+        f"Generated by `{run['command']}`, started {run['date']} and finished "
+        f"{run['finished']} (UTC), on {machine['cpu']} ({machine['cpu_count']} cores, "
+        f"{machine['memory_gib']} GiB; {machine['system']}), Python {versions['python']}, "
+        f"torch {versions['torch']}"
+        + (f", TensorFlow {tf} in its own environment" if tf else ", no TensorFlow")
+        + f", commit {versions['distribute_commit']}"
+        + ("" if versions.get("distribute_tree_clean", True) else " (with uncommitted changes)")
+        + ". File: "
+        f"`benchmarks/results/{path.name}`. Each figure is the median of "
+        f"{run['repeats']} runs, each a new process, with the range from the worst to "
+        "the best run beside it; the load column is the 1-minute load average before "
+        "each run.",
+    ]
+    cores = machine.get("cpu_count") or 1
+    worst = max(seen)
+    if worst > cores:
+        text += [
+            "",
+            '!!! warning "A loaded machine"',
+            f"    The load average was {min(seen):.1f} to {worst:.1f} on {cores} cores "
+            "while these figures were taken (other jobs shared the machine): the time "
+            "ratios are noisy and say little about the library; the memory figures do "
+            "not depend on the load. Rerun the command on a quiet machine.",
+        ]
+    return text
+
+
+def tables(run: Line, figures: list[Line], path: Path) -> str:
+    """The Markdown of figures.md: one snippet section per group."""
+    out = ["<!-- Generated by benchmarks/charts.py from the results file named below. -->"]
+
+    def section(name: str, body: list[str]) -> None:
+        out.extend(["", f"<!-- --8<-- [start:{name}] -->", *body, f"<!-- --8<-- [end:{name}] -->"])
+
+    section("run", run_paragraph(run, figures, path))
+    for group in ("speed", "memory", "overhead"):
+        chosen = [f for f in figures if f.get("group") == group]
+        section(group, figures_table(chosen) if chosen else ["No figure of this group was run."])
+    return "\n".join(out) + "\n"
 
 
 def _pyplot() -> Any:
@@ -95,36 +167,80 @@ def _pyplot() -> Any:
     return plt
 
 
-def draw_speed(bars: list[tuple[str, float]], path: Path) -> None:
+def loads(run: Line, figures: list[Line]) -> list[float]:
+    """Every load average of the run: before and after it, and before each repetition."""
+    found = [float(run["loadavg_1m_before"]), float(run["loadavg_1m_after"])]
+    for f in figures:
+        found += [float(x) for x in f.get("loadavg_1m_before_each") or []]
+    return found
+
+
+def _subtitle(run: Line, figures: list[Line]) -> str:
+    seen = loads(run, figures)
+    return (
+        f"{run['date'][:10]}, {run['mode']} mode, {run['machine']['cpu_count']} cores, "
+        f"load average {min(seen):.1f}-{max(seen):.1f}\nmedian and range of "
+        f"{run['repeats']} runs"
+    )
+
+
+def draw_speed(run: Line, figures: list[Line], path: Path) -> None:
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 0.9 + 0.9 * len(bars)))
-    labels = [label for label, _ in bars]
-    values = [value for _, value in bars]
-    positions = list(range(len(bars)))[::-1]
-    ax.barh(positions, values, color=COLORS["distribute"], height=0.55)
+    rows = [f for f in figures if f.get("group") == "speed"]
+    fig, ax = plt.subplots(figsize=(8.5, 1.3 + 0.9 * max(len(rows), 1)))
+    positions = list(range(len(rows)))[::-1]
+    top = 1.0
+    for y, f in zip(positions, rows):
+        if not measured(f):
+            ax.text(0.02, y, "not rerun: " + str(f.get("reason", ""))[:60], va="center")
+            continue
+        ax.barh(y, f["median"], color=COLORS["distribute"], height=0.5)
+        ax.plot([f["min"], f["max"]], [y, y], color=COLORS["range"], linewidth=3)
+        label = f"{f['median']:.2f}x ({f['min']:.2f}-{f['max']:.2f})"
+        ax.text(f["max"] + 0.03, y, label, va="center")
+        top = max(top, f["max"])
     ax.axvline(1.0, color="black", linewidth=1)
-    ax.set_yticks(positions, labels)
-    for y, value in zip(positions, values):
-        ax.text(value + 0.04, y, f"{value:.2f}x", va="center")
-    ax.set_xlim(0, max([*values, 1.0]) * 1.18)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
+    ax.set_yticks(positions, [str(f["title"]).replace(" (", "\n(") for f in rows])
+    ax.set_xlim(0, top * 1.45)
     ax.set_xlabel("speed relative to the baseline (1.0 = the same; higher is faster)")
-    ax.set_title("distribute against TensorFlow and DDP (2-core CPU)")
+    ax.set_title("distribute against TensorFlow and DDP\n" + _subtitle(run, figures), fontsize=10)
     ax.spines[["top", "right"]].set_visible(False)
     fig.tight_layout()
     fig.savefig(path, metadata={"Software": None})
     plt.close(fig)
 
 
-def draw_memory(table: dict[int, dict[str, tuple[float, float]]], path: Path) -> None:
+def memory_table(figures: list[Line]) -> dict[int, dict[str, tuple[float, float]]]:
+    """{workers: {figure: (MultiWorkerMirrored MiB, FullySharded MiB)}}, medians over
+    the repetitions of each figure's own lines."""
+    names = {"state_vs_mirrored": "state", "peak_vs_mirrored": "peak", "rss_vs_mirrored": "rss"}
+    table: dict[int, dict[str, tuple[float, float]]] = {}
+    for f in figures:
+        if f.get("group") != "memory" or not measured(f):
+            continue
+        raw = f["raw"]
+        key = names.get(str(raw[0].get("bench")))
+        if key is None:
+            continue
+        table.setdefault(int(raw[0]["workers"]), {})[key] = (
+            statistics.median(float(r["baseline_mib"]["median"]) for r in raw),
+            statistics.median(float(r["distribute_mib"]["median"]) for r in raw),
+        )
+    return table
+
+
+def draw_memory(run: Line, figures: list[Line], path: Path) -> None:
     plt = _pyplot()
-    figures = [("state", "state kept"), ("peak", "peak live tensors"), ("rss", "RSS growth")]
-    worlds = sorted(table)
-    fig, axes = plt.subplots(1, len(figures), figsize=(10, 3.6), sharey=True)
+    table = memory_table(figures)
+    kinds = [("state", "state kept"), ("peak", "peak live tensors"), ("rss", "RSS growth")]
+    worlds = sorted(table) or [2]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(10, 3.8), sharey=True)
     width = 0.38
-    for ax, (key, title) in zip(axes, figures):
+    for ax, (key, title) in zip(axes, kinds):
         xs = list(range(len(worlds)))
-        mirrored = [table[w].get(key, (0.0, 0.0))[0] for w in worlds]
-        sharded = [table[w].get(key, (0.0, 0.0))[1] for w in worlds]
+        mirrored = [table.get(w, {}).get(key, (0.0, 0.0))[0] for w in worlds]
+        sharded = [table.get(w, {}).get(key, (0.0, 0.0))[1] for w in worlds]
         ax.bar(
             [x - width / 2 for x in xs],
             mirrored,
@@ -142,12 +258,18 @@ def draw_memory(table: dict[int, dict[str, tuple[float, float]]], path: Path) ->
         for x, base, ours in zip(xs, mirrored, sharded):
             if base:
                 ax.text(x + width / 2, ours + 3, f"{ours / base:.2f}", ha="center", fontsize=9)
+            else:
+                ax.text(x, 5, "not rerun", ha="center", fontsize=9)
         ax.set_xticks(xs, [f"{w} workers" for w in worlds])
         ax.set_title(title)
         ax.spines[["top", "right"]].set_visible(False)
-    axes[0].set_ylabel("MiB per worker (median)")
+    axes[0].set_ylabel("MiB per worker")
     axes[0].legend(loc="upper right", fontsize=8, frameon=False)
-    fig.suptitle("Memory per worker, 8 x Linear(1024, 1024) with Adam (ratio above the bars)")
+    fig.suptitle(
+        "Memory per worker, 8 x Linear(1024, 1024) with Adam (ratio above the bars)\n"
+        + _subtitle(run, figures),
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, metadata={"Software": None})
     plt.close(fig)
@@ -157,24 +279,26 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--results", type=Path, default=RESULTS, help="folder of *.jsonl files")
+    parser.add_argument("--results", type=Path, default=None, help="a results file")
     parser.add_argument("--out", type=Path, default=OUT, help="where the PNGs go")
+    parser.add_argument("--tables", type=Path, default=TABLES, help="the Markdown tables")
     args = parser.parse_args(argv)
-    lines = read_lines(sorted(args.results.glob("*.jsonl")))
-    bars, table = speed_bars(lines), memory_table(lines)
-    if not bars or not table:
-        raise SystemExit(
-            f"{args.results}: expected bench_vs_tensorflow / bench_multi_worker lines and "
-            f"bench_sharded memory lines, found speed figures {len(bars)}, memory "
-            f"world sizes {sorted(table)}"
-        )
+    path = args.results
+    if path is None:
+        found = results_files(RESULTS)
+        if not found:
+            raise SystemExit(f"no results file in {RESULTS}: run benchmarks/run_all.py first")
+        path = found[-1]
+    run, figures = read_run(path)
     args.out.mkdir(parents=True, exist_ok=True)
     written = [args.out / "speed.png", args.out / "sharded_memory.png"]
-    draw_speed(bars, written[0])
-    draw_memory(table, written[1])
-    for path in written:
-        print(path)
-    return written
+    draw_speed(run, figures, written[0])
+    draw_memory(run, figures, written[1])
+    args.tables.parent.mkdir(parents=True, exist_ok=True)
+    args.tables.write_text(tables(run, figures, path), encoding="utf-8")
+    for out in [*written, args.tables]:
+        print(out)
+    return [*written, args.tables]
 
 
 if __name__ == "__main__":

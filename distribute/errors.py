@@ -20,6 +20,7 @@ __all__ = [
     "ContextError",
     "DistributeError",
     "InvalidArgumentError",
+    "LateInitError",
     "MixedStrategyError",
     "RendezvousError",
     "ReplicaAbortedError",
@@ -47,6 +48,22 @@ class InvalidArgumentError(DistributeError, ValueError):
         Traceback (most recent call last):
         ...
         distribute.errors.InvalidArgumentError: device 'cuda:0' (cuda:0) does not exist ...
+    """
+
+
+class LateInitError(InvalidArgumentError):
+    """A module's code used a parameter after it was sharded away (deferred init).
+
+    `ds.experimental.FullyShardedStrategy(deferred_init=True)` keeps only each
+    worker's shard of a module's parameters while the model is built; code that
+    initializes them after their module's ``__init__`` (a parent's
+    ``self.apply(init_weights)``) raises this. Build with the default
+    ``deferred_init=False``.
+
+    Example:
+        >>> import distribute as ds
+        >>> issubclass(ds.errors.LateInitError, (ds.errors.InvalidArgumentError, ValueError))
+        True
     """
 
 

@@ -38,6 +38,7 @@ def shard_sizes(rows: int, shards: int) -> list[int]:
     """Rows per shard by the div rule: the first ``rows % shards`` get one more.
 
     Example:
+        >>> from distribute.partitioners import shard_sizes
         >>> shard_sizes(13, 5)
         [3, 3, 3, 2, 2]
     """
@@ -57,6 +58,7 @@ class Partitioner:
 
     Example:
         >>> import torch
+        >>> from distribute.partitioners import Partitioner
         >>> class Halves(Partitioner):
         ...     def __call__(self, shape, dtype):
         ...         return [2, *([1] * (len(shape) - 1))] if shape else []
@@ -73,6 +75,7 @@ class FixedShardsPartitioner(Partitioner):
 
     Example:
         >>> import torch
+        >>> from distribute.partitioners import FixedShardsPartitioner
         >>> FixedShardsPartitioner(2)(torch.Size([10, 3]), torch.float32)
         [2, 1]
     """
@@ -94,6 +97,7 @@ class MinSizePartitioner(Partitioner):
 
     Example:
         >>> import torch
+        >>> from distribute.partitioners import MinSizePartitioner
         >>> MinSizePartitioner(min_shard_bytes=48, max_shards=8)(torch.Size([10, 4]), torch.float32)
         [4, 1]
     """
@@ -116,6 +120,7 @@ class MaxSizePartitioner(Partitioner):
 
     Example:
         >>> import torch
+        >>> from distribute.partitioners import MaxSizePartitioner
         >>> MaxSizePartitioner(max_shard_bytes=64)(torch.Size([10, 4]), torch.float32)
         [3, 1]
     """

@@ -113,6 +113,8 @@ def flatten(prefix: str, value: Any, tensors: dict[str, torch.Tensor]) -> Skelet
     """The skeleton of ``value``; its tensors go into ``tensors`` under ``prefix/...``.
 
     Example:
+        >>> import torch
+        >>> from distribute.checkpoint._format import flatten
         >>> tensors = {}
         >>> flatten("opt", {"lr": 0.1, "m": torch.zeros(2)}, tensors)
         {'lr': 0.1, 'm': {'__tensor__': 'opt/m', 'shape': [2], 'dtype': 'float32'}}
@@ -188,6 +190,7 @@ def checksum(data: bytes | memoryview) -> str:
     """The XXH3-128 digest of ``data`` in hex (what ``xxh128sum`` prints).
 
     Example:
+        >>> from distribute.checkpoint._format import checksum
         >>> checksum(b"")
         '99aa06d3014798d86001c324468d497f'
     """

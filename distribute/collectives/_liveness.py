@@ -130,6 +130,7 @@ def local_address_towards(host: str) -> str:
 
     Example::
 
+        >>> from distribute.collectives._liveness import local_address_towards
         >>> local_address_towards("127.0.0.1")
         '127.0.0.1'
     """
@@ -335,6 +336,7 @@ def explain(
 
     Example::
 
+        >>> from distribute.collectives._liveness import PeerReport, explain
         >>> explain((3, "all_reduce 'g'"), 0, 2, {1: PeerReport(1, alive=False, gone=True)})
         ([1], 'rank 1 is dead (its process is gone, or it shut down)')
     """
@@ -525,6 +527,7 @@ def mismatch_error(
 
     Example::
 
+        >>> from distribute.collectives._liveness import mismatch_error
         >>> str(mismatch_error(None, (1, "all_reduce 'x'"), (["float32[3]"], "(SUM)"),
         ...                    rank=0, odd=1, grace=1.0)).split(" but ")[0]
         "all_reduce 'x': rank 0 passed float32[3] (SUM)"

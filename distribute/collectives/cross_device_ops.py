@@ -149,7 +149,7 @@ def packed_all_reduce(
 
     Returns:
         One list of reduced tensors per replica, on that replica's devices: views
-        of one buffer per replica and dtype.
+            of one buffer per replica and dtype.
 
     Raises:
         InvalidArgumentError: `num_packs < 0`.

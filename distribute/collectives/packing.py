@@ -23,6 +23,10 @@ arithmetic.
 
 Example::
 
+    >>> import torch
+    >>> from distribute.collectives.packing import (
+    ...     pack_by_bytes, pack_tensors, split_num_packs, unpack_tensors
+    ... )
     >>> pack_by_bytes([4, 4, 4], bytes_per_pack=5)
     [[2, 1], [0]]
     >>> split_num_packs(10, 3)
@@ -75,10 +79,11 @@ def pack_by_bytes(
 
     Returns:
       Lists of indices into ``nbytes``, in walk order; every index appears
-      exactly once.
+          exactly once.
 
     Example::
 
+        >>> from distribute.collectives.packing import pack_by_bytes
         >>> pack_by_bytes([8, 8, 8, 8], bytes_per_pack=0)
         [[3, 2, 1, 0]]
     """
@@ -119,6 +124,7 @@ def split_num_packs(numel: int, num_packs: int) -> list[int]:
 
     Example::
 
+        >>> from distribute.collectives.packing import split_num_packs
         >>> split_num_packs(7, 2)
         [3, 4]
     """
@@ -205,6 +211,7 @@ def slot_views(flat: torch.Tensor, templates: Sequence[torch.Tensor]) -> list[to
 
     Example:
         >>> import torch
+        >>> from distribute.collectives.packing import slot_views
         >>> a, b = slot_views(torch.arange(7.0), [torch.zeros(2, 2), torch.zeros(2)])
         >>> a.tolist(), b.tolist()
         ([[0.0, 1.0], [2.0, 3.0]], [4.0, 5.0])
@@ -223,6 +230,8 @@ def pack_tensors(tensors: Sequence[torch.Tensor]) -> PackedTensors:
 
     Example::
 
+        >>> import torch
+        >>> from distribute.collectives.packing import pack_tensors
         >>> p = pack_tensors([torch.ones(2), torch.tensor([7]), torch.zeros(1)])
         >>> [f.tolist() for f in p.flats], p.groups
         ([[1.0, 1.0, 0.0], [7]], ((0, 2), (1,)))
@@ -254,6 +263,8 @@ def sum_packs(packs: Sequence[PackedTensors], device: torch.device) -> list[torc
 
     Example::
 
+        >>> import torch
+        >>> from distribute.collectives.packing import pack_tensors, sum_packs
         >>> a, b = pack_tensors([torch.ones(2)]), pack_tensors([torch.ones(2)])
         >>> sum_packs([a, b], torch.device("cpu"))[0].tolist()
         [2.0, 2.0]

@@ -39,6 +39,7 @@ class OptionalValue:
 
     Example::
 
+        >>> from distribute.data import OptionalValue
         >>> opt = OptionalValue(None, has_value=False)
         >>> opt.has_value()
         False

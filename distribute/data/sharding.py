@@ -16,6 +16,7 @@ computed here.
 
 Example: 7 elements over 2 workers with 2 local replicas each::
 
+    >>> from distribute.data.sharding import split_sizes, worker_replica_sizes, worker_slice
     >>> split_sizes(7, 4)
     [2, 2, 2, 1]
     >>> worker_replica_sizes(7, num_workers=2, local_replicas=2, worker_index=1)
@@ -44,6 +45,7 @@ def split_sizes(batch_size: int, num_replicas: int) -> list[int]:
 
     Example::
 
+        >>> from distribute.data.sharding import split_sizes
         >>> split_sizes(9, 2)
         [5, 4]
     """
@@ -73,6 +75,7 @@ def worker_replica_sizes(
 
     Example::
 
+        >>> from distribute.data.sharding import worker_replica_sizes
         >>> worker_replica_sizes(3, num_workers=2, local_replicas=1, worker_index=1)
         [1]
     """
@@ -90,6 +93,7 @@ def worker_slice(
 
     Example::
 
+        >>> from distribute.data.sharding import worker_slice
         >>> worker_slice(10, num_workers=2, local_replicas=1, worker_index=1)
         (5, 10)
     """
@@ -106,6 +110,7 @@ def offsets(sizes: Sequence[int]) -> list[tuple[int, int]]:
 
     Example::
 
+        >>> from distribute.data.sharding import offsets
         >>> offsets([2, 1])
         [(0, 2), (2, 3)]
     """
@@ -125,6 +130,7 @@ def shard_files(num_files: int, *, num_workers: int, worker_index: int) -> list[
 
     Example::
 
+        >>> from distribute.data.sharding import shard_files
         >>> shard_files(5, num_workers=2, worker_index=1)
         [1, 3]
     """

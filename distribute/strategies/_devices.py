@@ -111,6 +111,7 @@ def local_gpu(
             would share one (NCCL fails with "Duplicate GPU detected").
 
     Example:
+        >>> from distribute.strategies._devices import local_gpu
         >>> local_gpu(3, 8, 8, None)
         3
         >>> local_gpu(3, 8, 1, "5")   # the launcher gave this process GPU 5 alone

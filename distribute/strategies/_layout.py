@@ -9,6 +9,7 @@ Both start from `resolve_layouts`, which validates every variable of a module ag
 its layout and names the variable, the layout and the fix when one does not fit.
 
 Example:
+    >>> from distribute.experimental import DeviceMesh, LayoutMap
     >>> mesh = DeviceMesh(shape=(2, 4), axis_names=("batch", "model"))
     >>> layout_map = LayoutMap(mesh)
     >>> layout_map[r".*mlp\\.up\\.weight"] = ("model", None)
@@ -64,6 +65,7 @@ class DeviceMesh:
             mesh's size, or a grid of another shape.
 
     Example:
+        >>> from distribute.experimental import DeviceMesh
         >>> mesh = DeviceMesh(shape=(1, 2), axis_names=("batch", "model"))
         >>> mesh.size, mesh.axis_names
         (2, ('batch', 'model'))
@@ -194,6 +196,7 @@ class TensorLayout:
         InvalidArgumentError: an axis the mesh does not have, or an axis named twice.
 
     Example:
+        >>> from distribute.experimental import TensorLayout
         >>> TensorLayout(("model", None)).axes     # torch Linear weight: (out, in)
         ('model', None)
     """
@@ -269,6 +272,7 @@ class LayoutMap(MutableMapping[str, TensorLayout]):
             keys are named), setting a key twice, or a value that is not a layout.
 
     Example:
+        >>> from distribute.experimental import DeviceMesh, LayoutMap
         >>> mesh = DeviceMesh((1, 2), ("batch", "model"))
         >>> layout_map = LayoutMap(mesh)
         >>> layout_map[r"blocks\\.\\d+\\.up\\.weight"] = ("model", None)
@@ -377,8 +381,9 @@ def resolve_layouts(
         buffers: whether buffers are resolved too.
 
     Returns:
-        ``{path: layout or None}`` in ``named_parameters()`` then ``named_buffers()``
-        order (duplicates included), the paths relative to ``module``.
+        ``{path: layout or None}`` in ``named_parameters()`` then
+            ``named_buffers()`` order (duplicates included), the paths relative to
+            ``module``.
 
     Raises:
         InvalidArgumentError: a layout whose length is not the variable's number of
@@ -387,6 +392,8 @@ def resolve_layouts(
 
     Example:
         >>> import torch
+        >>> from distribute.experimental import DeviceMesh, LayoutMap
+        >>> from distribute.strategies._layout import resolve_layouts
         >>> mesh = DeviceMesh((1, 2), ("batch", "model"))
         >>> layout_map = LayoutMap(mesh)
         >>> layout_map["0.weight"] = ("model", None)
@@ -428,6 +435,8 @@ def shard_dims(layout: TensorLayout | None, axis_names: Sequence[str]) -> tuple[
     None: the variable is whole along that axis).
 
     Example:
+        >>> from distribute.experimental import TensorLayout
+        >>> from distribute.strategies._layout import shard_dims
         >>> shard_dims(TensorLayout((None, "model")), ("batch", "model"))
         (None, 1)
     """

@@ -104,7 +104,7 @@ class Rendezvous:
 
         Returns:
             What `combine` returned, to every replica. An exception raised by
-            `combine` is raised in every replica.
+                `combine` is raised in every replica.
         """
         with self._cond:
             self._check_abort()
@@ -301,7 +301,8 @@ class ReplicaThreads:
             The replicas' results, in replica order.
 
         Raises:
-            The first failing replica's exception (not a release of another replica).
+            BaseException: the first failing replica's exception (not a release of
+                another replica), re-raised.
         """
         n = len(fns)
         results: list[Any] = [None] * n

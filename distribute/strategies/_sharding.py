@@ -76,7 +76,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from distribute import _marks, _torch
-from distribute.errors import InvalidArgumentError
+from distribute.errors import InvalidArgumentError, LateInitError
 from distribute.strategies._module_recorder import ModuleRecorder
 
 if TYPE_CHECKING:
@@ -550,10 +550,6 @@ def device_mesh(
 
 
 # -- deferred initialization ----------------------------------------------------------------
-
-
-class LateInitError(InvalidArgumentError):
-    """A module's code used a parameter after it was sharded away (deferred init)."""
 
 
 #: Operations that only look at a finished (meta) parameter's metadata.

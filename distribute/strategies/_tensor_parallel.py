@@ -119,6 +119,8 @@ def choose_styles(
     propagates.
 
     Example:
+        >>> import torch
+        >>> from distribute.strategies._tensor_parallel import choose_styles
         >>> from distribute.strategies._layout import TensorLayout as L
         >>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
         >>> layouts = {"0.weight": L(("model", None)), "0.bias": L(("model",)),

@@ -515,8 +515,9 @@ class Strategy:
         replica's own component.
 
         Returns:
-            A `PerReplica` (leaves of a nest) of the replicas' results; a plain value
-            where there is one local replica or every replica returned the same object.
+            A `PerReplica` (leaves of a nest) of the replicas' results; a plain
+                value where there is one local replica or every replica returned the
+                same object.
 
         Raises:
             InvalidArgumentError: `args` is not a list or tuple.

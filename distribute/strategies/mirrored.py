@@ -26,11 +26,11 @@ class MirroredStrategy(Strategy):
             GPU, else one CPU. Logical CPU devices ("cpu:0", "cpu:1", ...) are
             distinct replicas on the one CPU. TensorFlow's spellings ("/gpu:0",
             "/device:CPU:0") are accepted.
+        cross_device_ops: the `CrossDeviceOps` used by `extended.reduce_to`.
 
     Raises:
         InvalidArgumentError: a device that is not a device name or that this
             machine does not have (the message lists the devices it has).
-        cross_device_ops: the `CrossDeviceOps` used by `extended.reduce_to`.
 
     Example:
         >>> import distribute as ds, torch

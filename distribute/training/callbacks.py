@@ -123,9 +123,13 @@ class History(Callback):
     `fit` adds one and returns it.
 
     Example:
-        >>> history = model.fit(x, y, epochs=3)  # doctest: +SKIP
-        >>> history.history["loss"]               # doctest: +SKIP
-        [0.9, 0.5, 0.3]
+        >>> import numpy as np, torch, distribute as ds
+        >>> model = ds.Model(torch.nn.Linear(1, 1))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((16, 1)), np.zeros((16, 1))
+        >>> history = model.fit(x, y, epochs=3, verbose=0)
+        >>> len(history.history["loss"])  # one value per epoch
+        3
     """
 
     def __init__(self) -> None:
@@ -168,8 +172,18 @@ class EarlyStopping(Callback):
         restore_best_weights: put back the best epoch's weights when stopping.
 
     Example:
-        >>> stop = EarlyStopping(monitor="val_loss", patience=3, restore_best_weights=True)
-        >>> model.fit(x, y, validation_split=0.2, epochs=100, callbacks=[stop])  # doctest: +SKIP
+        >>> import numpy as np, torch, distribute as ds
+        >>> model = ds.Model(torch.nn.Linear(1, 1))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((16, 1)), np.zeros((16, 1))
+        >>> stop = ds.callbacks.EarlyStopping(
+        ...     monitor="val_loss", min_delta=0.01, patience=2, restore_best_weights=True
+        ... )
+        >>> history = model.fit(
+        ...     x, y, validation_split=0.25, epochs=100, verbose=0, callbacks=[stop]
+        ... )
+        >>> len(history.epoch) < 100  # stopped early: val_loss no longer improves by 0.01
+        True
     """
 
     def __init__(
@@ -221,7 +235,14 @@ class LearningRateScheduler(Callback):
     the start of each epoch.
 
     Example:
-        >>> halve = LearningRateScheduler(lambda epoch, lr: lr * 0.5 if epoch else lr)
+        >>> import numpy as np, torch, distribute as ds
+        >>> model = ds.Model(torch.nn.Linear(1, 1))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((16, 1)), np.zeros((16, 1))
+        >>> halve = ds.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.5 if epoch else lr)
+        >>> history = model.fit(x, y, epochs=3, verbose=0, callbacks=[halve])
+        >>> history.history["learning_rate"]  # SGD's default 0.01, then halved
+        [0.01, 0.005, 0.0025]
     """
 
     def __init__(self, schedule: Callable[[int, float], float], verbose: int = 0) -> None:
@@ -249,9 +270,19 @@ class ModelCheckpoint(Callback):
     ``save_weights_only=False`` also saves the optimizer.
 
     Example:
-        >>> save = ModelCheckpoint("/tmp/run/ckpt-{epoch:02d}", monitor="loss", save_best_only=True)
-        >>> model.fit(x, y, epochs=5, callbacks=[save])  # doctest: +SKIP
-        >>> ds.Checkpoint(model=model).restore(save.saved[-1])  # doctest: +SKIP
+        >>> import numpy as np, torch, distribute as ds
+        >>> model = ds.Model(torch.nn.Linear(1, 1))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((16, 1)), np.zeros((16, 1))
+        >>> import os, tempfile
+        >>> run = tempfile.mkdtemp()
+        >>> save = ds.callbacks.ModelCheckpoint(
+        ...     os.path.join(run, "ckpt-{epoch:02d}"), monitor="loss", save_best_only=True
+        ... )
+        >>> _ = model.fit(x, y, epochs=3, verbose=0, callbacks=[save])
+        >>> [os.path.basename(path) for path in save.saved]  # the loss improved each epoch
+        ['ckpt-01', 'ckpt-02', 'ckpt-03']
+        >>> _ = ds.Checkpoint(model=model).restore(save.saved[-1])
     """
 
     def __init__(
@@ -302,9 +333,18 @@ class BackupAndRestore(Callback):
     training ends (``delete_checkpoint``).
 
     Example:
-        >>> backup = BackupAndRestore("/tmp/run/backup", save_freq=100)  # every 100 steps
-        >>> model.fit(x, y, epochs=10, callbacks=[backup])  # doctest: +SKIP
+        >>> import numpy as np, torch, distribute as ds
+        >>> model = ds.Model(torch.nn.Linear(1, 1))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((16, 1)), np.zeros((16, 1))
+        >>> import os, tempfile
+        >>> backup_dir = os.path.join(tempfile.mkdtemp(), "backup")
+        >>> # a backup every 100 steps (and at the end of every epoch without save_freq)
+        >>> backup = ds.callbacks.BackupAndRestore(backup_dir, save_freq=100)
+        >>> _ = model.fit(x, y, epochs=10, verbose=0, callbacks=[backup])
         >>> # killed at epoch 6? run the same line again: it goes on from there
+        >>> os.path.exists(backup_dir)  # deleted once training ended
+        False
     """
 
     def __init__(
@@ -366,7 +406,15 @@ class CSVLogger(Callback):
     the first epoch's keys, ``"NA"`` where a later epoch lacks one.
 
     Example:
-        >>> log = CSVLogger("/tmp/run/log.csv")
+        >>> import numpy as np, torch, distribute as ds
+        >>> model = ds.Model(torch.nn.Linear(1, 1))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((16, 1)), np.zeros((16, 1))
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "log.csv")
+        >>> _ = model.fit(x, y, epochs=2, verbose=0, callbacks=[ds.callbacks.CSVLogger(path)])
+        >>> open(path).read().splitlines()[0]  # then one row per epoch
+        'epoch,loss'
     """
 
     def __init__(self, filename: str | Path, separator: str = ",", append: bool = False) -> None:
@@ -402,7 +450,9 @@ class TensorBoard(Callback):
     ``torch.utils.tensorboard`` (install ``tensorboard``).
 
     Example:
-        >>> board = TensorBoard("/tmp/run/tb")  # then: tensorboard --logdir /tmp/run/tb
+        >>> import distribute as ds
+        >>> board = ds.callbacks.TensorBoard("/tmp/run/tb")
+        >>> # model.fit(..., callbacks=[board]), then: tensorboard --logdir /tmp/run/tb
     """
 
     def __init__(self, log_dir: str | Path = "logs") -> None:

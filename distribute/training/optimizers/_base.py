@@ -206,7 +206,7 @@ class KerasOptimizer(torch.optim.Optimizer):
 
         Returns:
             Name to value: 0-dim tensors of ``t``'s dtype (Python numbers are
-            rounded to it).
+                rounded to it).
         """
         return {}
 
