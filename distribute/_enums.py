@@ -112,6 +112,7 @@ class VariableSpec:
             engine may keep it where it is until then.
 
     Example:
+        >>> from distribute._enums import VariableAggregation, VariableSpec, VariableSynchronization
         >>> VariableSpec(True, VariableSynchronization.ON_WRITE, VariableAggregation.NONE)
         VariableSpec(trainable=True, synchronization=<VariableSynchronization.ON_WRITE: 2>, \
 aggregation=<VariableAggregation.NONE: 0>, is_param=False, is_buffer=False, deferred=False)

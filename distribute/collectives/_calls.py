@@ -30,6 +30,7 @@ def is_transport_error(exc: BaseException) -> bool:
 
     Example::
 
+        >>> from distribute.collectives._calls import is_transport_error
         >>> is_transport_error(RuntimeError("[../third_party/gloo/gloo/transport/tcp/"
         ...                                 "pair.cc:553] Connection closed by peer"))
         True

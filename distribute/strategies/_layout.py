@@ -357,6 +357,7 @@ def matching_keys(keys: Sequence[str] | MutableMapping[str, Any], path: str) -> 
     """The keys that `re.fullmatch` ``path`` (the whole path), in insertion order.
 
     Example:
+        >>> from distribute.strategies._layout import matching_keys
         >>> matching_keys([r".*up\\.weight", r"up\\.weight", r"blocks\\..*"], "blocks.0.up.weight")
         ['.*up\\\\.weight', 'blocks\\\\..*']
     """
@@ -458,6 +459,7 @@ def network_path(path: str, strip: str) -> str:
     """The path the layout map sees: ``path`` without the wrapper's ``strip`` prefix.
 
     Example:
+        >>> from distribute.strategies._layout import network_path
         >>> network_path("module.blocks.0.up.weight", "module."), network_path("head", "")
         ('blocks.0.up.weight', 'head')
     """
@@ -489,6 +491,7 @@ def resolve_output_layouts(
 
     Example:
         >>> import torch
+        >>> from distribute.strategies._layout import DeviceMesh, LayoutMap, resolve_output_layouts
         >>> layout_map = LayoutMap(DeviceMesh((1, 2), ("batch", "model")))
         >>> layout_map[r"\\d+/output"] = ("batch", None, "model")
         >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
@@ -510,6 +513,7 @@ def unmatched_keys(layout_map: LayoutMap, paths: Sequence[str]) -> dict[str, lis
     with the (at most 3) paths nearest to it, nearest first.
 
     Example:
+        >>> from distribute.strategies._layout import DeviceMesh, LayoutMap, unmatched_keys
         >>> layout_map = LayoutMap(DeviceMesh((1, 2), ("batch", "model")))
         >>> layout_map[r"up\\.weight"] = ("model", None)
         >>> layout_map[r".*down\\.weight"] = (None, "model")

@@ -611,6 +611,7 @@ def _split_off_batch_axis(
     for each path whose layout named it, the dimension split along it (FSDP2's).
 
     Example:
+        >>> from distribute.strategies._tensor_parallel import TensorLayout, _split_off_batch_axis
         >>> split = _split_off_batch_axis({"w": TensorLayout(("model", "batch"))}, "batch")
         >>> split[0]["w"].axes, split[1]
         (('model', None), {'w': 1})

@@ -152,8 +152,8 @@ class ParameterServerLoop:
 
         Returns:
             The summed ``loss * batch size`` and the examples, as
-            `Model._train_epoch` does, and the iterator the epoch ended with (a new
-            pass over `train` where ``steps_per_epoch`` ran past its end).
+                `Model._train_epoch` does, and the iterator the epoch ended with (a
+                new pass over `train` where ``steps_per_epoch`` ran past its end).
 
         Raises:
             Exception: a step's error (raised once: NOTE [parameter-server fit]).
