@@ -192,6 +192,9 @@ class Mean(Metric):
         3.0
     """
 
+    def __init__(self, name: str = "mean") -> None:
+        super().__init__(name)
+
     def update_state(  # type: ignore[override]  # Keras's signature: values, weights
         self, values: Any, sample_weight: torch.Tensor | None = None
     ) -> None:

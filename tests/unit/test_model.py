@@ -600,3 +600,10 @@ def test_the_mode_is_restored_when_predict_or_evaluate_raises() -> None:
     with pytest.raises(RuntimeError, match="boom"):
         model.evaluate(x, y, batch_size=8, verbose=0, callbacks=[Boom()])
     assert all(m.training for m in model.modules())
+
+
+def test_a_mean_metric_is_named_mean_by_default_as_in_keras() -> None:
+    mean = ds.metrics.Mean()
+    assert mean.name == "mean"
+    ds.get_strategy().run(mean.update_state, args=(torch.tensor([2.0, 4.0]),))
+    assert mean.result() == 3.0
