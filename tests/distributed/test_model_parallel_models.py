@@ -12,7 +12,9 @@ wrapped in ``ds.Model``); a network wrapped in ``ds.Model`` in the scope is laid
 its own paths; a key that matches no variable is warned about on the chief, naming the
 nearest paths; GPT-2's ``Conv1D`` (weight ``(in, out)``) laid out column- then
 row-parallel costs the collectives of the same ``nn.Linear`` pair, and a tiny
-``GPT2LMHeadModel`` (tied vocabulary split too) trains as one process.
+``GPT2LMHeadModel`` (tied vocabulary split too) trains as one process; BERT
+(``BertForMaskedLM``: its word table, and the tied MLM decoder, split along the
+vocabulary) trains as one process on (1, 2) with SGD and (2, 2) with AdamW.
 
 One launch per world size (2 and 4 workers), shared by the tests.
 """
@@ -47,6 +49,18 @@ def build(kind: str, tied: bool) -> torch.nn.Module:
     transformers' Conv1D, its head tied to the token embedding, dropout off."""
     import transformers
 
+    if kind == "bert":  # its MLM head's decoder tied to the word table
+        bert = transformers.BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=32,
+            max_position_embeddings=16,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        return transformers.BertForMaskedLM(bert)
     if kind == "gpt2":
         gpt2 = transformers.GPT2Config(
             vocab_size=VOCAB,
@@ -70,6 +84,22 @@ def gpt2_layout_map(shape: tuple[int, int]) -> ds.experimental.LayoutMap:
     layouts[layer + r"(attn\.c_attn|mlp\.c_fc)\.bias"] = ("model",)
     layouts[layer + r"(attn|mlp)\.c_proj\.weight"] = ("model", None)
     layouts[r"transformer\.wte\.weight|lm_head\.weight"] = ("model", None)  # tied
+    return layouts
+
+
+def bert_layout_map(shape: tuple[int, int]) -> ds.experimental.LayoutMap:
+    """BERT's attention and MLP column- then row-parallel, its word table (and the tied
+    MLM decoder) split along the vocabulary."""
+    layouts = ds.experimental.LayoutMap(ds.experimental.DeviceMesh(shape, ("batch", "model")))
+    layer = r"bert\.encoder\.layer\.\d+\."
+    layouts[layer + r"attention\.self\.(query|key|value)\.weight"] = ("model", None)
+    layouts[layer + r"attention\.self\.(query|key|value)\.bias"] = ("model",)
+    layouts[layer + r"attention\.output\.dense\.weight"] = (None, "model")
+    layouts[layer + r"intermediate\.dense\.weight"] = ("model", None)
+    layouts[layer + r"intermediate\.dense\.bias"] = ("model",)
+    layouts[layer + r"output\.dense\.weight"] = (None, "model")
+    layouts[r"bert\.embeddings\.word_embeddings\.weight"] = ("model", None)
+    layouts[r"cls\.predictions\.decoder\.weight"] = ("model", None)  # tied to the table
     return layouts
 
 
@@ -136,6 +166,14 @@ def _generate(model: Any) -> list[list[int]]:
     return [list(map(int, row)) for row in out]
 
 
+def _tokens(model: Any, kind: str) -> list[list[int]]:
+    """``generate()``'s tokens; BERT (no causal generation): its predicted tokens."""
+    if kind != "bert":
+        return _generate(model)
+    logits = model(input_ids=_prompt()).logits
+    return [list(map(int, row)) for row in logits.argmax(-1)]
+
+
 def _whole(value: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -157,7 +195,7 @@ def reference(tied: bool, name: str, kind: str = "llama") -> dict[str, Any]:
         opt.zero_grad()
         losses.append(loss.item())
     with torch.no_grad():
-        tokens = _generate(model)
+        tokens = _tokens(model, kind)
     return {
         "losses": losses,
         "state": {k: _whole(v) for k, v in model.state_dict().items()},
@@ -168,7 +206,8 @@ def reference(tied: bool, name: str, kind: str = "llama") -> dict[str, Any]:
 def parallel(
     shape: tuple[int, int], tied: bool, name: str, kind: str = "llama", outputs: bool = False
 ) -> dict[str, Any]:
-    layouts = gpt2_layout_map(shape) if kind == "gpt2" else layout_map(shape)
+    maps = {"gpt2": gpt2_layout_map, "bert": bert_layout_map}
+    layouts = maps.get(kind, layout_map)(shape)
     if outputs:  # Keras's output layouts: sequence-parallel between the decoder layers
         layouts[r"model\.layers\.\d+/output"] = ("batch", "model", None)
         layouts[r"model\.layers\.\d+\.mlp\.up_proj/output"] = ("batch", None, "model")
@@ -189,16 +228,15 @@ def parallel(
         return loss.detach()
 
     seen: list[str] = []  # the placement of the first decoder layer's output
-    model.get_submodule(
-        "model.layers.0" if kind == "llama" else "transformer.h.0"
-    ).register_forward_hook(
+    first = {"llama": "model.layers.0", "gpt2": "transformer.h.0"}
+    model.get_submodule(first.get(kind, "bert.encoder.layer.0")).register_forward_hook(
         lambda module, args, out: seen.append(str(out.placements[0])) if not seen else None
     )
     losses = []
     for batch in strategy.experimental_distribute_dataset(loader):
         losses.append(float(strategy.reduce("sum", strategy.run(step, args=(batch,)), axis=None)))
     with torch.no_grad():
-        tokens = _generate(model)  # outside run, as a user calls it
+        tokens = _tokens(model, kind)  # outside run, as a user calls it
     return {
         "output_placements": seen,
         "losses": losses,
@@ -346,6 +384,7 @@ def _two_workers() -> dict[str, Any]:
         "unmatched": _unmatched_keys_warned(),
         "collectives": _collectives_per_step(),
         "gpt2_sgd": parallel((1, 2), True, "sgd", kind="gpt2"),
+        "bert_sgd": parallel((1, 2), True, "sgd", kind="bert"),
     }
     for tied in (False, True):
         for name in ("sgd", "adamw"):
@@ -358,6 +397,7 @@ def _four_workers() -> dict[str, Any]:
         "llama_outputs_adamw": parallel((2, 2), False, "adamw", outputs=True),
         "llama_untied_adamw": parallel((2, 2), False, "adamw"),
         "llama_tied_sgd": parallel((2, 2), True, "sgd"),
+        "bert_adamw": parallel((2, 2), True, "adamw", kind="bert"),
     }
 
 
@@ -382,6 +422,8 @@ def references() -> dict[str, dict[str, Any]]:
         for name in ("sgd", "adamw")
     }
     out["gpt2_sgd"] = reference(True, "sgd", kind="gpt2")
+    out["bert_sgd"] = reference(True, "sgd", kind="bert")
+    out["bert_adamw"] = reference(True, "adamw", kind="bert")
     return out
 
 
@@ -476,3 +518,14 @@ def test_output_layouts_split_the_activations_and_train_as_one_process(
         assert worker["llama_untied_sgd"]["output_placements"] == ["R"]
     for worker in four_workers:
         _assert_matches(worker["llama_outputs_adamw"], references["llama_untied_adamw"], 5e-5)
+
+
+def test_bert_with_its_word_table_split_trains_as_one_process_on_1x2_and_2x2(
+    two_workers: list[dict[str, Any]],
+    four_workers: list[dict[str, Any]],
+    references: dict[str, Any],
+) -> None:
+    for worker in two_workers:
+        _assert_matches(worker["bert_sgd"], references["bert_sgd"], 1e-5)
+    for worker in four_workers:
+        _assert_matches(worker["bert_adamw"], references["bert_adamw"], 5e-5)
