@@ -70,6 +70,7 @@ from distribute.collectives._group_setup import (
     close_group,
     default_group_matches,
     init_default_group,
+    share_group,
     store_host,
 )
 from distribute.collectives._liveness import (
@@ -166,7 +167,10 @@ class ProcessGroupCollectives:
         world_size: the number of processes.
         backend: ``"gloo"`` or ``"nccl"``.
         timeout_seconds: how long a collective may take before it raises.
-        owns_group: whether `shutdown` destroys the group.
+        owns_group: whether the caller initialised the group for this object. A
+            group the library initialised is destroyed by its last user, this
+            object or another that adopted it (NOTE [shared groups] in
+            _group_setup.py); one the user initialised never is.
         host: the address other ranks reach this one at (for the failure
             diagnosis); None: this machine's address on the route to the store.
         device: where nccl's tensors go (this process's GPU); None: the current
@@ -233,8 +237,9 @@ class ProcessGroupCollectives:
         self._int_buffer = self._on_device(torch.zeros(1, dtype=torch.int64))
         # Asynchronous works launched and maybe not waited for (see `_close`).
         self._launched: list[Any] = []
+        self._users = share_group(group, created=owns_group)
         self._finalizer = weakref.finalize(
-            self, close_group, self._liveness, owns_group, group, self._broken, self._launched
+            self, close_group, self._liveness, self._users, self._broken, self._launched
         )
 
     @classmethod
@@ -300,7 +305,11 @@ class ProcessGroupCollectives:
 
     @classmethod
     def adopt(cls, *, timeout_seconds: float = 300.0) -> ProcessGroupCollectives:
-        """Wraps the default process group someone else initialised (never destroys it).
+        """Wraps the default process group someone else initialised.
+
+        A group the user initialised is never destroyed; one that another strategy
+        of this library initialised is shared, and destroyed by its last user
+        (NOTE [shared groups] in _group_setup.py).
 
         Example::
 
@@ -767,7 +776,8 @@ class ProcessGroupCollectives:
         self._sum_int(0, "barrier", name)
 
     def shutdown(self) -> None:
-        """Stops the watcher and destroys the process group if this object created it.
+        """Stops the watcher and leaves the process group: destroys it if the library
+        initialised it and no other collectives object uses it any more.
 
         Idempotent, and run automatically when the object is collected or the
         interpreter exits. A group broken by a failed collective is left to the
