@@ -54,10 +54,11 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -87,6 +88,8 @@ from distribute.errors import CollectiveTimeoutError, InvalidArgumentError
 __all__ = ["AllReduceHandle", "ProcessGroupCollectives"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 #: torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -765,6 +768,80 @@ class ProcessGroupCollectives:
         work = launch()
         self._wait(work, position, start)
         self._finished(position)
+
+    def run_watched(self, name: str, call: Callable[[], _T]) -> _T:
+        """Runs ``call``, a blocking function that runs collectives of its own over
+        these processes (DCP's checkpoint save and load), so that a dead worker is
+        named within seconds.
+
+        The call runs in a helper thread while this one waits as in a collective of
+        this object (NOTE [no silent hangs]): a rank that sees a peer die inside the
+        call's raw collectives (gloo reports the closed connection) goes on to a
+        collective of this object and probes the others, and every rank still
+        blocked in the call stops waiting then, raising an error that names the
+        dead worker, instead of waiting in the call's collectives for the whole
+        timeout. The abandoned call leaves the group broken. There is no deadline of
+        its own (writing a large checkpoint may take longer than a collective's
+        timeout); an error of the call is raised as it is. An abandoned call holds
+        the process's exit until the backend lets it go (a peer's exit, or the
+        group's timeout).
+
+        Raises:
+            CollectiveTimeoutError: a peer gave up on the group meanwhile (its
+                diagnosis, naming the dead or missing ranks, is quoted).
+
+        Example::
+
+            metadata = collectives.run_watched("checkpoint write", lambda: dcp.save(state))
+        """
+        position, start = self._begin("call", name)
+        if self._world_size == 1:
+            alone = call()
+            self._finished(position)
+            return alone
+        outcome: list[tuple[bool, Any]] = []
+        done = threading.Event()
+        # What is per thread in torch and matters to the call: the grad mode, and the
+        # CUDA device (nccl's object collectives run on the current one).
+        grad = torch.is_grad_enabled()
+        cuda = self._device if self._device.type == "cuda" else None
+
+        def run() -> None:
+            try:
+                torch.set_grad_enabled(grad)
+                if cuda is not None:
+                    torch.cuda.set_device(cuda)
+                outcome.append((True, call()))
+            except BaseException as e:  # torch's CheckpointException is a BaseException
+                outcome.append((False, e))
+            finally:
+                done.set()
+
+        state = self._state
+        state.waiting = position
+        # Not a daemon: a call abandoned below stays blocked in the backend until a
+        # peer's exit closes its connection (or the group's timeout), and the
+        # interpreter must wait for it at exit; a daemon thread woken in the backend
+        # while the interpreter finalizes aborts the process.
+        thread = threading.Thread(target=run, name=f"distribute-watched {name}", daemon=False)
+        thread.start()
+        try:
+            while not done.wait(SLICE.total_seconds()):
+                if state.interrupt is not None and not done.is_set():
+                    raise self._fail(position, start, None)
+        except (KeyboardInterrupt, SystemExit) as exc:
+            self._broken[0] = CollectiveTimeoutError(
+                f"{position[1]} was abandoned on rank {self._rank} ({type(exc).__name__})"
+            )
+            state.waiting = None
+            raise
+        ok, value = outcome[0]
+        if not ok:
+            state.waiting = None
+            raise value
+        self._finished(position)
+        result: _T = value
+        return result
 
     def barrier(self, name: str) -> None:
         """Waits until every rank reaches this point (or raises naming those that did not).
