@@ -489,6 +489,8 @@ def test_workers_whose_loaders_differ_in_length_are_warned_of_the_data_not_read(
 def _strategy_of_kind(kind: str) -> Any:
     if kind == "MultiWorkerMirrored":
         return ds.MultiWorkerMirroredStrategy()
+    if kind == "FullySharded":
+        return ds.experimental.FullyShardedStrategy()
     mesh = ds.experimental.DeviceMesh((2,), ("batch",))
     return ds.experimental.ModelParallelStrategy(ds.experimental.LayoutMap(mesh))
 
@@ -498,6 +500,8 @@ _REBINDINGS = [
     ("MultiWorkerMirrored", "MultiWorkerMirrored", "second"),
     ("MultiWorkerMirrored", "ModelParallel", "first"),
     ("MultiWorkerMirrored", "ModelParallel", "second"),
+    ("MultiWorkerMirrored", "FullySharded", "first"),
+    ("MultiWorkerMirrored", "FullySharded", "second"),
 ]
 
 
