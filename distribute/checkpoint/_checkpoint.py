@@ -55,7 +55,7 @@ from distribute.checkpoint._objects import (
     sharded_templates,
     strategy_of,
 )
-from distribute.errors import InvalidArgumentError
+from distribute.errors import CollectiveTimeoutError, InvalidArgumentError
 
 if TYPE_CHECKING:
     from distribute.collectives.base import CrossWorker
@@ -176,12 +176,23 @@ class Checkpoint:
                 own[name] = flatten(f"rank{rank}/{name}", state, tensors)
             else:
                 shared[name] = flatten(name, state, tensors)
+        contiguous = {k: v.contiguous() for k, v in tensors.items()}
+
+        def save() -> Any:
+            return dcp_save(
+                contiguous,
+                storage_writer=indexing_writer(partial, sync_files=False),
+                no_dist=world_size == 1,
+            )
+
         try:
             with _quiet_single_process():
-                metadata = dcp_save(
-                    {k: v.contiguous() for k, v in tensors.items()},
-                    storage_writer=indexing_writer(partial, sync_files=False),
-                    no_dist=world_size == 1,
+                # Watched: a worker killed inside the write is named within seconds by
+                # every survivor, not only by those gloo connects to it directly.
+                metadata = (
+                    save()
+                    if workers is None
+                    else workers.run_watched(f"checkpoint write {path}", save)
                 )
         except (Exception, CheckpointException) as e:  # torch's is a BaseException
             raise _failure(workers, f"writing checkpoint {path}", e) from e
@@ -254,9 +265,16 @@ class Checkpoint:
             key: targets[key] if key in targets else torch.empty_like(shape, device="cpu")
             for key, shape in shapes.items()
         }
+
+        def load() -> None:
+            dcp_load(wanted, storage_reader=reader, no_dist=world_size == 1)
+
         try:
             with _quiet_single_process():
-                dcp_load(wanted, storage_reader=reader, no_dist=world_size == 1)
+                if workers is None:
+                    load()
+                else:
+                    workers.run_watched(f"checkpoint read {path}", load)
         except (Exception, CheckpointException) as e:  # torch's is a BaseException
             if reader.failure is not None:
                 raise reader.failure from None
@@ -389,6 +407,8 @@ def _failure(workers: CrossWorker | None, what: str, error: BaseException) -> Ex
     for failure, _ in getattr(error, "failures", {}).values():
         if isinstance(failure, CheckpointError):
             return failure
+    if isinstance(error, CollectiveTimeoutError):  # diagnosed already (`run_watched`)
+        return error
     if workers is not None:
         try:
             workers.barrier(f"{what} (after an error)")

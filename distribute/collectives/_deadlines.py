@@ -26,11 +26,14 @@ import collections
 import datetime
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from distribute.collectives._liveness import Position
 
-__all__ = ["SLICE", "StreamWatch", "grace", "nccl_group_timeout"]
+__all__ = ["SLICE", "CallInThread", "StreamWatch", "grace", "nccl_group_timeout"]
 
 #: How long one wait lasts before the rank checks whether a peer gave up.
 SLICE = datetime.timedelta(seconds=0.25)
@@ -98,3 +101,50 @@ class StreamWatch:
             if overdue is not None:
                 callback(*overdue)
                 return
+
+
+class CallInThread:
+    """A blocking call (one running collectives of its own, such as DCP's save) started
+    in a helper thread, so that the calling rank can wait for it in slices and give up
+    when a peer reports the group broken (`ProcessGroupCollectives.run_watched`).
+
+    The thread is not a daemon: a call abandoned by the waiter stays blocked in the
+    backend until a peer's exit closes its connection (or the group's timeout), and
+    the interpreter must wait for it at exit; a daemon thread woken in the backend
+    while the interpreter finalizes aborts the process. The caller's grad mode is
+    carried over, and ``cuda`` is made the thread's current device.
+
+    Example::
+
+        worker = CallInThread(lambda: dcp_save(state), "checkpoint write", None)
+        while not worker.wait(0.25):
+            ...  # give up here if a peer broke the group
+        ok, value = worker.outcome
+    """
+
+    def __init__(self, call: Callable[[], Any], name: str, cuda: Any) -> None:
+        self.outcome: tuple[bool, Any] = (False, None)
+        self._done = threading.Event()
+        grad = torch.is_grad_enabled()
+
+        def run() -> None:
+            try:
+                torch.set_grad_enabled(grad)
+                if cuda is not None:
+                    torch.cuda.set_device(cuda)
+                self.outcome = (True, call())
+            except BaseException as e:  # torch's CheckpointException is a BaseException
+                self.outcome = (False, e)
+            finally:
+                self._done.set()
+
+        threading.Thread(target=run, name=name, daemon=False).start()
+
+    @property
+    def done(self) -> bool:
+        """Whether the call has returned or raised."""
+        return self._done.is_set()
+
+    def wait(self, seconds: float) -> bool:
+        """Waits up to ``seconds`` for the call; returns whether it is done."""
+        return self._done.wait(seconds)

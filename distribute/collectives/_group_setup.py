@@ -1,8 +1,21 @@
 """Starting and ending the process group a `ProcessGroupCollectives` works over.
 
 The rendezvous (NOTE [rendezvous] in _rendezvous.py), the check that no two ranks
-drive one GPU, `init_process_group`, and the finalizer that destroys the group, or
-keeps it for good when a collective was abandoned mid-flight.
+drive one GPU, `init_process_group`, the count of the group's users, and the
+finalizer that destroys the group when its last user goes, or keeps it for good when
+a collective was abandoned mid-flight.
+
+# NOTE [shared groups]
+torch has one default process group per process, and several strategies may use it
+at once: a second `MultiWorkerMirroredStrategy` adopts the group the first one
+created (``strategy = ds.MultiWorkerMirroredStrategy()`` twice), and so does a
+`ModelParallelStrategy` or `FullyShardedStrategy` built after one. A group this
+library initialised is therefore counted, not owned: `GroupUsers` records every
+collectives object over it (the one that created it and each that adopted it), and
+the last to be shut down or collected destroys it, in whatever order they go. A
+group the user initialised (``dist.init_process_group`` before any strategy) is
+never destroyed by the library. The record of the library's groups is
+process-wide, as torch's default group is.
 """
 
 from __future__ import annotations
@@ -11,6 +24,7 @@ import ctypes
 import datetime
 import logging
 import socket
+import threading
 from typing import Any
 
 import torch
@@ -23,6 +37,7 @@ from distribute.collectives._rendezvous import rendezvous
 from distribute.errors import CollectiveTimeoutError, InvalidArgumentError
 
 __all__ = [
+    "GroupUsers",
     "check_distinct_devices",
     "close_group",
     "default_group_matches",
@@ -130,31 +145,115 @@ def store_host(store: Store) -> str:
     return str(getattr(store, "host", "127.0.0.1"))
 
 
+class GroupUsers:
+    """The collectives objects that use one process group this library initialised
+    (NOTE [shared groups]); the last of them to leave destroys the group.
+
+    Build it with `share_group`. Thread-safe: finalizers may run in any thread.
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._group: dist.ProcessGroup | None = group  # None once the last user left
+        self._count = 0
+        self._broken = False
+        self._lock = threading.Lock()
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The shared group (None once its last user left)."""
+        return self._group
+
+    @property
+    def count(self) -> int:
+        """How many collectives objects use the group now."""
+        return self._count
+
+    def join(self) -> GroupUsers:
+        """Counts one more user; returns self."""
+        with self._lock:
+            self._count += 1
+        return self
+
+    def leave(self, broken: bool) -> None:
+        """One user is gone (``broken``: it abandoned a collective, or one failed);
+        the last destroys the group, unless any user left it broken."""
+        with self._lock:
+            self._count -= 1
+            self._broken = self._broken or broken
+            last = self._count == 0
+            group = self._group
+            if last:
+                # Not held past its end: the group holds the store, whose port the
+                # next strategy's rendezvous may serve again.
+                self._group = None
+        if group is None:
+            return
+        if broken:
+            # A collective was abandoned mid-flight (a peer failed, or Ctrl-C in a
+            # wait): destroying the group, or freeing it as the interpreter ends,
+            # would wait for that collective (gloo's destructor drains its queue),
+            # up to its timeout. The group is kept until the process is gone, and
+            # no new strategy adopts it.
+            logger.debug("keeping a process group with abandoned work")
+            _keep_until_exit(group)
+        if not last:
+            return
+        with _SHARED_LOCK:
+            if _SHARED.get(id(group)) is self:
+                del _SHARED[id(group)]
+        if self._broken or not dist.is_initialized():
+            return
+        default = dist.group.WORLD is group
+        try:
+            dist.destroy_process_group(None if default else group)
+        except Exception:  # interpreter shutdown, or the user destroyed it already
+            logger.debug("destroy_process_group failed", exc_info=True)
+
+
+def share_group(group: dist.ProcessGroup | None, created: bool) -> GroupUsers | None:
+    """Counts a new collectives object over ``group`` (None: the default group) among
+    its users (NOTE [shared groups]).
+
+    Args:
+        group: the group the object works over.
+        created: whether the caller initialised the group for this object.
+
+    Returns:
+        The group's users, this object counted, when the library initialised the
+        group (now or for an earlier object); None for a group someone else made,
+        which the library never destroys.
+    """
+    if group is None:
+        if not dist.is_initialized():
+            return None
+        group = dist.group.WORLD
+    if group is None:
+        return None
+    with _SHARED_LOCK:
+        users = _SHARED.get(id(group))
+        if users is None or users.group is not group:
+            if not created:
+                return None
+            users = _SHARED[id(group)] = GroupUsers(group)
+        return users.join()
+
+
 def close_group(
     liveness: Liveness | None,
-    owns_group: bool,
-    group: dist.ProcessGroup | None,
+    users: GroupUsers | None,
     state: list[Any],
     launched: list[Any],
 ) -> None:
-    """Stops the watcher and destroys the group (the finalizer of a collectives object)."""
+    """Stops the watcher and leaves the group, destroying it if this was its last
+    user (the finalizer of a collectives object)."""
     if liveness is not None:
         liveness.stop()
     abandoned = not all(work.is_completed() for work in launched)
     launched.clear()  # a work holds the group, and the group the store's server port
-    if owns_group and dist.is_initialized():
-        if state[0] is not None or abandoned:
-            # A collective was abandoned mid-flight (a peer failed, or Ctrl-C in a
-            # wait): destroying the group, or freeing it as the interpreter ends,
-            # would wait for that collective (gloo's destructor drains its queue),
-            # up to its timeout. The group is kept until the process is gone.
-            logger.debug("keeping a process group with abandoned work: %s", state[0])
-            _keep_until_exit(group if group is not None else dist.group.WORLD)
-            return
-        try:
-            dist.destroy_process_group(group)
-        except Exception:  # interpreter shutdown, or the group already broke
-            logger.debug("destroy_process_group failed", exc_info=True)
+    if users is not None:
+        if state[0] is not None:
+            logger.debug("leaving a process group that broke: %s", state[0])
+        users.leave(broken=state[0] is not None or abandoned)
 
 
 def check_distinct_devices(
@@ -196,10 +295,15 @@ def device_identity(device: torch.device) -> str:
 # never reused). Such a group cannot be adopted again.
 _ABANDONED: set[int] = set()
 
+# The users of each group this library initialised and has not destroyed yet, by the
+# group's id (the record holds the group, so that id is not reused meanwhile).
+_SHARED: dict[int, GroupUsers] = {}
+_SHARED_LOCK = threading.Lock()
+
 
 def _keep_until_exit(group: Any) -> None:
     """Takes a reference to ``group`` that is never released, not even when the
     interpreter clears modules at exit: its destructor must never run."""
-    if group is not None:
+    if group is not None and id(group) not in _ABANDONED:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
         _ABANDONED.add(id(group))

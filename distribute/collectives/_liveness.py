@@ -22,6 +22,30 @@ The watchers do not depend on the store after start-up, so the death of rank 0
 rank give up; the watcher's port accepts connections from the cluster's network
 like gloo's own ports do.
 
+# NOTE [failure diagnosis]
+What `ProcessGroupCollectives` does when a collective fails or outlives its deadline
+(NOTE [no silent hangs] in process_group.py):
+
+* A rank gives up when the
+  backend raises (a peer's connection closed: it died) or when its deadline, the
+  timeout less a short grace period (at most 1 s), passes. It then probes every
+  other rank's *watcher*, a daemon thread blocked in ``accept()`` on a socket
+  whose address was exchanged once at start-up. A refused connection means the
+  process is gone, so a death is named within milliseconds; a live watcher
+  answers with the collective its main thread is in (or the last one it
+  finished), so a stuck rank is named as alive and located. A probe also tells
+  every rank blocked in a collective to stop waiting, so ranks that gloo does not
+  connect directly to the dead one fail within a quarter second too, quoting the
+  prober's verdict. After a failure the group is marked broken and later
+  collectives raise at once.
+* Why not ``monitored_barrier`` or arrival marks in the store: a monitored
+  barrier is a collective (a round trip on every call, and no help with a peer
+  stuck inside the data collective), and arrival marks written to the store
+  before every collective put a store round trip on the hot path. Watchers that
+  block on the store itself were tried too: they print c10d warnings whenever
+  rank 0, which serves the store, exits first, and they cannot tell a dead rank
+  from a slow one. The socket watcher costs one idle thread and one idle socket.
+
 Example::
 
     liveness = Liveness(store, rank=0, world_size=2, host="127.0.0.1", timeout=30.0)
@@ -45,7 +69,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from distribute._torch import Store
+from distribute._torch import PrefixStore, Store
 from distribute.errors import CollectiveMismatchError, CollectiveTimeoutError
 
 __all__ = [
@@ -57,6 +81,7 @@ __all__ = [
     "diagnose_transport",
     "explain",
     "local_address_towards",
+    "start_watcher",
     "mismatch_error",
 ]
 
@@ -320,6 +345,33 @@ class Liveness:
         except Exception:
             logger.debug("could not exchange %s", key, exc_info=True)
         return found
+
+
+def start_watcher(
+    store: Store | None, rank: int, world_size: int, host: str | None, timeout: float
+) -> Liveness | None:
+    """This rank's started `Liveness` over ``store`` (None: one rank, or no store to
+    share, so no diagnosis of missing ranks). The n-th collectives object of each rank
+    shares the n-th key space; ``host`` None: this machine's address towards the store.
+
+    Example::
+
+        liveness = start_watcher(store, rank=0, world_size=2, host=None, timeout=30.0)
+    """
+    if store is None or world_size <= 1:
+        return None
+    from distribute.collectives._group_setup import store_host
+
+    generation = int(store.add(f"distribute/generation/{rank}", 1))
+    liveness = Liveness(
+        PrefixStore(f"distribute/{generation}/", store),
+        rank,
+        world_size,
+        host=host if host is not None else local_address_towards(store_host(store)),
+        timeout=max(timeout, 30.0),
+    )
+    liveness.start()
+    return liveness
 
 
 def _where(position: Position | None) -> str:

@@ -8,14 +8,16 @@ depend on this protocol only, and reach a strategy's through
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from distribute._enums import ReduceOp
 
 __all__ = ["CrossWorker"]
+
+_T = TypeVar("_T")
 
 
 class CrossWorker(Protocol):
@@ -38,6 +40,11 @@ class CrossWorker(Protocol):
 
     def barrier(self, name: str) -> None:
         """Returns when every worker has called it (a missing worker is named)."""
+        ...
+
+    def run_watched(self, name: str, call: Callable[[], _T]) -> _T:
+        """Runs ``call``, whose own collectives span the workers (DCP's save and
+        load), so that a worker dying inside it is named within seconds."""
         ...
 
     def all_reduce(

@@ -16,25 +16,12 @@ dead, alive but elsewhere, or not answering.
   inside the first slice costs what ``torch.distributed`` costs. Nothing is
   written to the store and no extra message is exchanged while collectives
   succeed (apart from the signature check below, which hot paths skip).
-* Failure path (`distribute.collectives._liveness`). A rank gives up when the
-  backend raises (a peer's connection closed: it died) or when its deadline, the
-  timeout less a short grace period (at most 1 s), passes. It then probes every
-  other rank's *watcher*, a daemon thread blocked in ``accept()`` on a socket
-  whose address was exchanged once at start-up. A refused connection means the
-  process is gone, so a death is named within milliseconds; a live watcher
-  answers with the collective its main thread is in (or the last one it
-  finished), so a stuck rank is named as alive and located. A probe also tells
-  every rank blocked in a collective to stop waiting, so ranks that gloo does not
-  connect directly to the dead one fail within a quarter second too, quoting the
-  prober's verdict. After a failure the group is marked broken and later
-  collectives raise at once.
-* Why not ``monitored_barrier`` or arrival marks in the store: a monitored
-  barrier is a collective (a round trip on every call, and no help with a peer
-  stuck inside the data collective), and arrival marks written to the store
-  before every collective put a store round trip on the hot path. Watchers that
-  block on the store itself were tried too: they print c10d warnings whenever
-  rank 0, which serves the store, exits first, and they cannot tell a dead rank
-  from a slow one. The socket watcher costs one idle thread and one idle socket.
+* Failure path: a rank gives up when the backend raises (a peer's connection closed)
+  or its deadline passes, then probes every other rank's watcher, naming the dead
+  within milliseconds and telling the ranks blocked in the same collective to stop
+  waiting (NOTE [failure diagnosis] in `_liveness.py`, which also says why not
+  ``monitored_barrier`` or arrival marks in the store). After a failure the group is
+  marked broken and later collectives raise at once.
 * Mismatch. Before the data moves, the ranks exchange a 64-bit hash of their
   call (operation, name, dtypes, shapes) with one 8-byte all-gather (16 bytes for
   `all_gather`, whose per-rank sizes ride along). On a mismatch every rank posts
@@ -56,44 +43,45 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from distribute import _torch
 from distribute._enums import ReduceOp
-from distribute._torch import PrefixStore, Store
+from distribute._torch import Store
 from distribute.collectives._calls import (
     AllReduceHandle,
     describe,
     flatten,
-    is_transport_error,
     items,
     signature_hash,
 )
-from distribute.collectives._deadlines import SLICE, StreamWatch, grace
+from distribute.collectives._deadlines import SLICE, CallInThread, StreamWatch, grace
 from distribute.collectives._group_setup import (
     close_group,
     default_group_matches,
     init_default_group,
-    store_host,
+    share_group,
 )
 from distribute.collectives._liveness import (
-    Liveness,
     Position,
     WatchState,
     diagnose,
     diagnose_transport,
     local_address_towards,
     mismatch_error,
+    start_watcher,
 )
 from distribute.collectives.packing import pack_by_bytes, slot_views
 from distribute.errors import CollectiveTimeoutError, InvalidArgumentError
 
-__all__ = ["AllReduceHandle", "ProcessGroupCollectives", "is_transport_error"]
+__all__ = ["AllReduceHandle", "ProcessGroupCollectives"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 #: torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -114,7 +102,10 @@ class ProcessGroupCollectives:
         world_size: the number of processes.
         backend: ``"gloo"`` or ``"nccl"``.
         timeout_seconds: how long a collective may take before it raises.
-        owns_group: whether `shutdown` destroys the group.
+        owns_group: whether the caller initialised the group for this object. A
+            group the library initialised is destroyed by its last user, this
+            object or another that adopted it (NOTE [shared groups] in
+            _group_setup.py); one the user initialised never is.
         host: the address other ranks reach this one at (for the failure
             diagnosis); None: this machine's address on the route to the store.
         device: where nccl's tensors go (this process's GPU); None: the current
@@ -148,12 +139,9 @@ class ProcessGroupCollectives:
         self._rank = rank
         self._world_size = world_size
         self._backend = backend
+        self._device = torch.device("cpu")
         if backend == "nccl":
-            self._device = (
-                device if device is not None else torch.device("cuda", torch.cuda.current_device())
-            )
-        else:
-            self._device = torch.device("cpu")
+            self._device = device or torch.device("cuda", torch.cuda.current_device())
         self._timeout = float(timeout_seconds)
         self._grace = grace(self._timeout)
         self._sliced = backend != "nccl"
@@ -165,26 +153,16 @@ class ProcessGroupCollectives:
         self._counter = itertools.count(1)
         self._closed = False
         self._broken: list[CollectiveTimeoutError | None] = [None]
-        self._liveness: Liveness | None = None
-        if store is not None and world_size > 1:
-            # The n-th collectives object of each rank shares the n-th key space.
-            generation = int(store.add(f"distribute/generation/{rank}", 1))
-            self._liveness = Liveness(
-                PrefixStore(f"distribute/{generation}/", store),
-                rank,
-                world_size,
-                host=host if host is not None else local_address_towards(store_host(store)),
-                timeout=max(self._timeout, 30.0),
-            )
-            self._liveness.start()
+        self._liveness = start_watcher(store, rank, world_size, host, self._timeout)
         self._state = self._liveness.state if self._liveness is not None else WatchState()
         #: A sub-group's world (weakly) and how it names a rank: `subgroup`.
         self._world: tuple[weakref.ref[ProcessGroupCollectives], Any] | None = None
         self._int_buffer = self._on_device(torch.zeros(1, dtype=torch.int64))
         # Asynchronous works launched and maybe not waited for (see `_close`).
         self._launched: list[Any] = []
+        self._users = share_group(group, created=owns_group)
         self._finalizer = weakref.finalize(
-            self, close_group, self._liveness, owns_group, group, self._broken, self._launched
+            self, close_group, self._liveness, self._users, self._broken, self._launched
         )
 
     @classmethod
@@ -225,32 +203,23 @@ class ProcessGroupCollectives:
         if default_group_matches(rank, world_size):
             return cls.adopt(timeout_seconds=timeout_seconds)
         store = init_default_group(
-            rank,
-            world_size,
-            master_addr,
-            master_port,
-            backend=backend,
-            timeout_seconds=timeout_seconds,
-            cluster=cluster,
-            prefix=prefix,
-            launcher_serves=launcher_serves,
-            device=device,
-        )
+            rank, world_size, master_addr, master_port, backend=backend,
+            timeout_seconds=timeout_seconds, cluster=cluster, prefix=prefix,
+            launcher_serves=launcher_serves, device=device,
+        )  # fmt: skip
+        host = local_address_towards(master_addr)
         return cls(
-            None,
-            store,
-            rank,
-            world_size,
-            backend,
-            timeout_seconds,
-            owns_group=True,
-            host=local_address_towards(master_addr),
-            device=device,
-        )
+            None, store, rank, world_size, backend, timeout_seconds, owns_group=True,
+            host=host, device=device,
+        )  # fmt: skip
 
     @classmethod
     def adopt(cls, *, timeout_seconds: float = 300.0) -> ProcessGroupCollectives:
-        """Wraps the default process group someone else initialised (never destroys it).
+        """Wraps the default process group someone else initialised.
+
+        A group the user initialised is never destroyed; one that another strategy
+        of this library initialised is shared, and destroyed by its last user
+        (NOTE [shared groups] in _group_setup.py).
 
         Example::
 
@@ -267,15 +236,8 @@ class ProcessGroupCollectives:
             store = _torch.default_store()
         except (RuntimeError, ValueError):  # no store to share: no diagnosis of missing ranks
             store = None
-        return cls(
-            None,
-            store,
-            dist.get_rank(),
-            dist.get_world_size(),
-            str(dist.get_backend()),
-            timeout_seconds,
-            owns_group=False,
-        )
+        rank, world_size, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
+        return cls(None, store, rank, world_size, str(backend), timeout_seconds, owns_group=False)
 
     # -- identity ------------------------------------------------------------------
 
@@ -765,6 +727,52 @@ class ProcessGroupCollectives:
         self._state.waiting = None
         return error
 
+    def run_watched(self, name: str, call: Callable[[], _T]) -> _T:
+        """Runs ``call``, a blocking function running collectives of its own over these
+        processes (DCP's checkpoint save and load), so that a dead worker is named
+        within seconds: the call runs in a helper thread (`CallInThread`) while this
+        one waits as in a collective of this object, so every rank still blocked in it
+        stops when a peer that saw the death probes the others. No deadline of its
+        own (a large write may outlast a collective's timeout); the call's own error
+        is raised as it is; an abandoned call leaves the group broken.
+
+        Raises:
+            CollectiveTimeoutError: a peer gave up on the group meanwhile (its
+                diagnosis, naming the dead or missing ranks, is quoted).
+
+        Example::
+
+            metadata = collectives.run_watched("checkpoint write", lambda: dcp.save(state))
+        """
+        position, start = self._begin("call", name)
+        if self._world_size == 1:
+            alone = call()
+            self._finished(position)
+            return alone
+        # Not a daemon thread (see `CallInThread`); the call's per-thread torch state
+        # that matters: the grad mode, and the CUDA device (nccl's object collectives).
+        cuda = self._device if self._device.type == "cuda" else None
+        worker = CallInThread(call, f"distribute-watched {name}", cuda)
+        state = self._state
+        state.waiting = position
+        try:
+            while not worker.wait(SLICE.total_seconds()):
+                if state.interrupt is not None and not worker.done:
+                    raise self._fail(position, start, None)
+        except (KeyboardInterrupt, SystemExit) as exc:
+            self._broken[0] = CollectiveTimeoutError(
+                f"{position[1]} was abandoned on rank {self._rank} ({type(exc).__name__})"
+            )
+            state.waiting = None
+            raise
+        ok, value = worker.outcome
+        if not ok:
+            state.waiting = None
+            raise value
+        self._finished(position)
+        result: _T = value
+        return result
+
     def barrier(self, name: str) -> None:
         """Waits until every rank reaches this point (or raises naming those that did not).
 
@@ -775,7 +783,8 @@ class ProcessGroupCollectives:
         self._sum_int(0, "barrier", name)
 
     def shutdown(self) -> None:
-        """Stops the watcher and destroys the process group if this object created it.
+        """Stops the watcher and leaves the process group: destroys it if the library
+        initialised it and no other collectives object uses it any more.
 
         Idempotent, and run automatically when the object is collected or the
         interpreter exits. A group broken by a failed collective is left to the

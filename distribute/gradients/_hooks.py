@@ -50,10 +50,26 @@ if TYPE_CHECKING:
 
 __all__ = ["forget_early_sums", "sum_before_step"]
 
-# Per optimizer: (ids of its parameters, the strategy (weakly), its variables).
+# Per optimizer: (ids of its parameters, the strategy, its variables), all weakly.
+# A module-level table is a root for the garbage collector until its key dies: a
+# strong reference from here to a variable (and through it to its strategy) would
+# keep a dropped strategy alive through the collection that frees the optimizer.
 _plans: weakref.WeakKeyDictionary[
-    Optimizer, tuple[tuple[int, ...], weakref.ref[Strategy], list[DistributedVariable]]
+    Optimizer,
+    tuple[tuple[int, ...], weakref.ref[Strategy], list[weakref.ref[DistributedVariable]]],
 ] = weakref.WeakKeyDictionary()
+
+
+def _planned(optimizer: Optimizer, strategy: Strategy) -> list[DistributedVariable] | None:
+    """The variables `_variables_of` found for ``optimizer`` under ``strategy``, if all
+    are still alive; else None."""
+    cached = _plans.get(optimizer)
+    if cached is None or cached[1]() is not strategy:
+        return None
+    variables = [ref() for ref in cached[2]]
+    if any(v is None for v in variables):
+        return None
+    return [v for v in variables if v is not None]
 
 
 class _Early(threading.local):
@@ -82,8 +98,10 @@ def _variables_of(optimizer: Optimizer, strategy: Strategy) -> list[DistributedV
     params = [p for group in optimizer.param_groups for p in group["params"]]
     key = tuple(map(id, params))
     cached = _plans.get(optimizer)
-    if cached is not None and cached[0] == key and cached[1]() is strategy:
-        return cached[2]
+    if cached is not None and cached[0] == key:
+        planned = _planned(optimizer, strategy)
+        if planned is not None:
+            return planned
     own: list[DistributedVariable] = []  # or tensors a strategy manages (`_marks.managed_by`)
     foreign: list[DistributedVariable] = []
     foreign_managers: list[Any] = []
@@ -134,7 +152,7 @@ def _variables_of(optimizer: Optimizer, strategy: Strategy) -> list[DistributedV
             "the same tensor unsynchronized. Build the model and its optimizer inside "
             "`with strategy.scope():` so that its parameters become MirroredVariables"
         )
-    _plans[optimizer] = (key, weakref.ref(strategy), own)
+    _plans[optimizer] = (key, weakref.ref(strategy), [weakref.ref(v) for v in own])
     return own
 
 
@@ -192,9 +210,9 @@ def _post_step_hook(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     if running is None:
         return
     strategy, handler, local = running
-    cached = _plans.get(optimizer)
-    if cached is not None and cached[1]() is strategy and cached[2]:
-        handler.after_step(optimizer, cached[2], local)
+    planned = _planned(optimizer, strategy)
+    if planned:
+        handler.after_step(optimizer, planned, local)
 
 
 _handles: list[RemovableHandle] = []

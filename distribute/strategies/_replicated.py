@@ -172,6 +172,8 @@ class ReplicatedExtended(StrategyExtended):
         # Bumped when a variable's shape or dtype changes (`.data = t`, `.to(dtype)`),
         # so that per-optimizer gradient sums laid out for the old ones are rebuilt.
         self._layout_generation = 0
+        # Variables registered so far (never decreases): a new model since a step ran.
+        self._variables_made = 0
         self._buffer_sync: BufferSync | None = None
         n = len(self._devices)
         self._rendezvous = Rendezvous(n, self._timeout, self._devices) if n > 1 else None
@@ -443,6 +445,7 @@ class ReplicatedExtended(StrategyExtended):
         ):
             self._pending_broadcast.append(var)
         self._variables.add(var)
+        self._variables_made += 1
         if self._lifecycle is not None:
             self._newly_placed.append(var)
 

@@ -42,10 +42,10 @@ import torch
 from distribute import _torch, context
 from distribute._enums import ReduceOp, VariableAggregation, VariableSpec, VariableSynchronization
 from distribute.cluster_resolver import ClusterResolver, resolve_cluster
+from distribute.collectives._calls import is_transport_error
 from distribute.collectives._deadlines import nccl_group_timeout
 from distribute.collectives._shapes import check_axis
 from distribute.collectives.options import CommunicationOptions
-from distribute.collectives.process_group import is_transport_error
 from distribute.context import ReplicaContext
 from distribute.errors import InvalidArgumentError
 from distribute.strategies._autograd_collectives import AllGather, AllReduce

@@ -120,7 +120,8 @@ class MultiWorkerMirroredStrategy(WorkerIdentity, Strategy):
         self._devices = names
 
     def shutdown(self) -> None:
-        """Destroys the process group; the strategy cannot run collectives afterwards."""
+        """Leaves the process group, destroying it unless another strategy still uses it
+        (NOTE [shared groups]); the strategy cannot run collectives afterwards."""
         handler = self._extended.step_handler
         if handler is not None:
             handler.close()  # a later backward must not reach them

@@ -18,7 +18,9 @@ Two modes, one API:
 
 Each `run` ends an XLA step on the devices it used (NOTE [XLA steps]), so a loop
 compiles one graph per input shape. Keep shapes static: batch with
-``drop_last=True``, or accept one more compile for the last, partial batch. In SPMD
+``drop_last=True``, or accept one more compile for the last, partial batch (a step
+that keeps compiling after its first runs, or after ``fit``'s first epoch, is warned
+of once: NOTE [recompilation] in _xla_compiles.py). In SPMD
 mode, inside `TPUStrategy.one_execution()` the calls share one step instead:
 several training steps recorded into one graph and executed once (Keras's
 ``steps_per_execution``).
@@ -56,6 +58,7 @@ from distribute.errors import InvalidArgumentError
 from distribute.strategies._layout import LayoutMap, resolve_layouts
 from distribute.strategies._module_recorder import ModuleRecorder
 from distribute.strategies._replicated import ReplicatedExtended
+from distribute.strategies._xla_compiles import CompileWatch, step_signature
 from distribute.strategies.base import Strategy
 from distribute.tpu import DeviceAssignment, initialize_tpu_system
 from distribute.variables import DistributedVariable, capture_buffer, capture_parameter
@@ -302,6 +305,8 @@ class TPUStrategy(Strategy):
         self._spmd = bool(experimental_spmd_xla_partitioning)
         self._layout: _SpmdLayout | None = None
         self._executions = threading.local()  # `open`: one_execution()s open in a thread
+        # Warns of steps that keep compiling (NOTE [recompilation]).
+        self._compiles = CompileWatch(xla.compile_count)
         self._layout_map = layout_map
         if self._spmd:
             _SpmdLayout.check(assignment, num_devices)  # before SPMD mode, which is for good
@@ -342,6 +347,7 @@ class TPUStrategy(Strategy):
         # here, with the fix, what would fail inside autograd at the first step.
         xla.check_autograd(self._step_devices)
         super().__init__(extended)
+        self._engine = extended
 
     # -- identity -------------------------------------------------------------------
 
@@ -427,11 +433,22 @@ class TPUStrategy(Strategy):
 
             loss = strategy.run(step_fn, args=(next(iterator),))
         """
+        in_execution = getattr(self._executions, "open", 0)
+        # The same step over a model made since (its first runs compile) is another.
+        engine = self._engine
+        models = (engine._variables_made, engine._layout_generation)
+        signature = (step_signature(fn, args, kwargs or {}), models)
+        before = self._compiles.count()
         try:
-            return super().run(fn, args, kwargs, options)
+            result = super().run(fn, args, kwargs, options)
         finally:
-            if not getattr(self._executions, "open", 0):
+            if not in_execution:
                 xla.mark_step(self._step_devices)
+        if in_execution:
+            self._executions.steps.append(signature)  # compiled when the execution ends
+        else:
+            self._compiles.after(signature, before)
+        return result
 
     @contextlib.contextmanager
     def one_execution(self) -> Iterator[None]:
@@ -460,12 +477,17 @@ class TPUStrategy(Strategy):
             return
         depth = getattr(self._executions, "open", 0)
         self._executions.open = depth + 1
+        if depth == 0:
+            self._executions.steps = []
+            before = self._compiles.count()
         try:
             yield
         finally:
             self._executions.open = depth
             if depth == 0:
                 xla.mark_step(self._step_devices)
+        if depth == 0:
+            self._compiles.after(("execution", tuple(self._executions.steps)), before)
 
     # -- input ----------------------------------------------------------------------
 

@@ -87,6 +87,11 @@ class StepExecutions:
         #: Steps per execution: ``steps_per_execution`` on XLA, else 1.
         self.size = steps_per_execution if self._xla else 1
         self._open: contextlib.ExitStack | None = None
+        # On XLA, the epoch is the steps' warm-up for the recompilation warning
+        # (NOTE [recompilation] in strategies/_xla_compiles.py).
+        self._epoch = contextlib.ExitStack()
+        if self._xla:
+            self._epoch.enter_context(strategy._compiles.epoch())
         self._steps: list[Step] = []  # the open execution's
         self._unread: list[Step] = []  # of executions ended
 
@@ -138,7 +143,10 @@ class StepExecutions:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._close()
+        try:
+            self._close()
+        finally:
+            self._epoch.close()
 
 
 def _on_host(steps: list[Step]) -> list[Step]:

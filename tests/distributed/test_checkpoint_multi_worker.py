@@ -409,6 +409,55 @@ def test_worker_killed_during_a_save_leaves_the_previous_checkpoint_latest_and_l
     assert_identical(_state(model2), expected["params"], f"{path}, params")
 
 
+_KILLED_IN_WRITE, _STAY_ALIVE = 3, 20.0
+
+
+def _killed_inside_the_tensor_write(directory: str) -> dict[str, Any]:
+    """Rank 3 is SIGKILLed inside DCP's tensor write of the second save; the survivors
+    time their error, then stay alive (as a script handling the error would) so that
+    no survivor is released by another's exit."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    strategy = _strategy(timeout_seconds=60)
+    with strategy.scope():
+        model = torch.nn.Linear(3, 2)
+    ckpt = ds.Checkpoint(model=model)
+    ckpt.write(os.path.join(directory, "warm"))  # DCP's imports and first plans
+    if strategy.worker_index == _KILLED_IN_WRITE:
+
+        def write_data(*args: Any, **kwargs: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
+    start = time.monotonic()
+    out: dict[str, Any] = {"error": None}
+    try:
+        ckpt.write(os.path.join(directory, "killed"))
+    except (Exception, CheckpointException) as e:
+        out = {"error": type(e).__name__, "message": str(e)}
+    out["seconds"] = time.monotonic() - start
+    time.sleep(_STAY_ALIVE)  # not a wait for a peer: this survivor's process lives on
+    return out
+
+
+def test_a_worker_killed_inside_the_tensor_write_is_named_by_every_survivor_within_seconds(
+    tmp_path: Path,
+) -> None:
+    """Before: a survivor that DCP's raw collectives did not connect to the dead worker
+    (rank 1 here) waited in them until another survivor's process exited, or for the
+    whole timeout (60 s)."""
+    results = launch.run(
+        _killed_inside_the_tensor_write, 4, args=(str(tmp_path),), timeout=150, allow_missing=True
+    )
+    assert results[_KILLED_IN_WRITE] is None  # killed, as armed
+    for rank, out in enumerate(results):
+        if rank == _KILLED_IN_WRITE:
+            continue
+        assert out["error"] == "CollectiveTimeoutError", (rank, out)
+        assert f"rank {_KILLED_IN_WRITE} is dead" in out["message"], (rank, out["message"])
+        assert out["seconds"] < 10.0, (rank, out)  # well before the survivors' exits
+
+
 # -- 4. interrupted and resumed training is bitwise the uninterrupted one ----------------
 
 _EXAMPLES, _GLOBAL_BATCH = 40, 8  # 5 steps an epoch

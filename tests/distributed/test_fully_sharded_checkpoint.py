@@ -163,21 +163,34 @@ def _trained_one_step_and_saved(
 
 
 def _peak_allocated_bytes(fn: Any) -> int:
-    """The most CPU tensor memory ``fn()`` had allocated at once: the profiler's
-    allocations and frees in time order (each op's own, outside ops "[memory]"
-    events). Memory freed that was allocated before ``fn`` counts nothing (the sum
-    never drops below 0): an upper bound, never an underestimate."""
+    """The most CPU tensor memory ``fn()`` had allocated at once, in any thread (the
+    restore runs DCP's load in a helper thread: `run_watched`), from the profiler's
+    record of each allocation and free, in time order. Memory freed that was
+    allocated before ``fn`` counts nothing (the sum never drops below 0): an upper
+    bound, never an underestimate.
+
+    Not from the ops' net memory (``self_cpu_memory_usage``) sorted by their start,
+    as before: an op's net is placed at its start, so a free an op makes after a
+    child op allocated comes first there, is clamped away at 0, and the child's
+    allocation then counts as live for good. Rank 0 once read 0.51 of the whole
+    state (the bound is 0.5) on a fresh checkout; in repeated runs every rank reads
+    0.20-0.23 by either measure (rank 0 within 0.3% of rank 1: no cost of its own
+    as DCP's coordinator; the same with the garbage collector off), so that reading
+    was not reproduced. This measure has no ordering of its own to get wrong, and
+    the assertion shows every rank's reading."""
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
     ) as profiler:
         fn()
-    events = sorted(
-        (e.time_range.start, e.self_cpu_memory_usage)
-        for e in profiler.events()
-        if e.self_cpu_memory_usage
+    results = profiler.profiler.kineto_results if profiler.profiler is not None else None
+    assert results is not None
+    records = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
     )
     live = peak = 0
-    for _, change in events:
+    for _, change in records:
         live = max(0, live + change)
         peak = max(peak, live)
     return peak
@@ -307,7 +320,8 @@ def test_sharded_checkpoints_restore_bitwise_across_world_sizes_and_strategies_a
             )
         # Each worker read its quarter of the state (and a stored chunk at a time):
         # whole-size plain templates of Adam's moments alone are 2/3 of it.
-        assert out["peak"] < 0.5 * out["whole"], (rank, out["peak"], out["whole"])
+        peaks = [o["peak"] for o in widened]
+        assert out["peak"] < 0.5 * out["whole"], (rank, peaks, out["whole"])
 
     # Sharded -> MultiWorkerMirrored (2 workers), which trains on and writes its own.
     mirrored = launch.run(_restore_under_mirrored, 2, args=(by_fsdp2, by_mirrored), timeout=200)

@@ -6,6 +6,7 @@ Real processes on 127.0.0.1 only; an unreachable rank 0 is a closed loopback por
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -479,3 +481,84 @@ def _uneven_loaders() -> list[str]:
 def test_workers_whose_loaders_differ_in_length_are_warned_of_the_data_not_read() -> None:
     for messages in launch.run(_uneven_loaders, 2, timeout=120):
         assert any("differ in length" in m and "50%" in m for m in messages), messages
+
+
+# -- shared process groups and collected strategies (issue #36) ---------------------------
+
+
+def _strategy_of_kind(kind: str) -> Any:
+    if kind == "MultiWorkerMirrored":
+        return ds.MultiWorkerMirroredStrategy()
+    if kind == "FullySharded":
+        return ds.experimental.FullyShardedStrategy()
+    mesh = ds.experimental.DeviceMesh((2,), ("batch",))
+    return ds.experimental.ModelParallelStrategy(ds.experimental.LayoutMap(mesh))
+
+
+_REBINDINGS = [
+    ("MultiWorkerMirrored", "MultiWorkerMirrored", "first"),
+    ("MultiWorkerMirrored", "MultiWorkerMirrored", "second"),
+    ("MultiWorkerMirrored", "ModelParallel", "first"),
+    ("MultiWorkerMirrored", "ModelParallel", "second"),
+    ("MultiWorkerMirrored", "FullySharded", "first"),
+    ("MultiWorkerMirrored", "FullySharded", "second"),
+]
+
+
+def _rebound_strategies() -> list[dict[str, Any]]:
+    """For each of `_REBINDINGS`: two strategies over one default group (the second
+    adopts the group the first created), one dropped and collected, a collective on
+    the other, then that one dropped too."""
+    import torch.distributed as dist
+
+    outs = []
+    for first, second, dropped in _REBINDINGS:
+        strategies = [_strategy_of_kind(first), _strategy_of_kind(second)]
+        gone = weakref.ref(strategies.pop(0 if dropped == "first" else 1))
+        gc.collect()
+        out: dict[str, Any] = {"dropped collected": gone() is None}
+        try:
+            total = strategies[0].reduce("sum", torch.tensor(1.0), axis=None)
+            out["sum"] = float(total)
+        except Exception as e:  # before: torch's "Default process group has not been ..."
+            out["error"] = f"{type(e).__name__}: {e}"
+        out["group alive"] = dist.is_initialized()
+        last = weakref.ref(strategies.pop())
+        gc.collect()
+        out["last collected"] = last() is None
+        out["destroyed by the last"] = not dist.is_initialized()
+        outs.append(out)
+    return outs
+
+
+def test_strategies_rebound_and_collected_in_any_order_share_the_group_until_the_last() -> None:
+    for outs in launch.run(_rebound_strategies, 2, launcher="tf_config", timeout=140):
+        for case, out in zip(_REBINDINGS, outs):
+            assert out == {
+                "dropped collected": True,
+                "sum": 2.0,
+                "group alive": True,
+                "last collected": True,
+                "destroyed by the last": True,
+            }, (case, out)
+
+
+def _fit_then_dropped() -> dict[str, Any]:
+    import numpy as np
+    import torch.distributed as dist
+
+    strategy = ds.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = ds.Model(torch.nn.Linear(4, 1))
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(16, 4)
+    model.fit(x, x.sum(1, keepdims=True), batch_size=8, epochs=2, verbose=0)
+    ref = weakref.ref(strategy)
+    del strategy, model
+    gc.collect()  # one collection (before: never, the optimizer's plan held it)
+    return {"collected": ref() is None, "group destroyed": not dist.is_initialized()}
+
+
+def test_a_multi_worker_strategy_that_ran_fit_is_collected_once_out_of_reach() -> None:
+    for out in launch.run(_fit_then_dropped, 2, launcher="tf_config", timeout=120):
+        assert out == {"collected": True, "group destroyed": True}, out

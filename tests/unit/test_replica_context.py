@@ -609,3 +609,44 @@ def test_a_dropped_strategy_is_collected_and_stops_its_replica_threads() -> None
         time.sleep(0.02)
     assert ref() is None, "the strategy stayed reachable after its last use"
     assert not any(w.is_alive() for w in workers), "replica threads outlived their strategy"
+
+
+def _trained_then_dropped(how: str) -> tuple[Any, list[threading.Thread]]:
+    s = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    with s.scope():
+        layer = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+
+    def step() -> None:
+        if how == "failed step" and ds.get_replica_context().replica_id_in_sync_group == 1:
+            raise ValueError("replica 1 fails")
+        layer(torch.ones(2, 2)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    if how == "fit":
+        with s.scope():
+            model = ds.Model(torch.nn.Linear(2, 1))
+        model.compile(optimizer="sgd", loss="mse")
+        x = torch.linspace(-1, 1, 16).reshape(8, 2)
+        model.fit(x, x.sum(1, keepdim=True), batch_size=4, epochs=2, verbose=0)
+    else:
+        try:
+            s.run(step)
+        except ValueError:
+            assert how == "failed step"
+    assert s.extended._threads is not None
+    return weakref.ref(s), list(s.extended._threads._workers)
+
+
+@pytest.mark.parametrize("how", ["optimizer step", "failed step", "fit"])
+def test_a_dropped_strategy_is_collected_by_one_collection_after_training(how: str) -> None:
+    """Before: an optimizer's step plan (a module-level table keyed by the optimizer)
+    held the strategy's variables, so a strategy that trained survived the
+    collection that freed its optimizer (and, after a failed step, every later one)."""
+    ref, workers = _trained_then_dropped(how)
+    gc.collect()
+    assert ref() is None, f"the strategy survived a collection after {how}"
+    for w in workers:
+        w.join(timeout=5.0)  # the finalizer asked them to stop
+    assert not any(w.is_alive() for w in workers), "replica threads outlived their strategy"

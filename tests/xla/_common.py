@@ -352,3 +352,69 @@ def cpu_reference_of_width(
         opt.zero_grad()
         losses.append(float(loss.detach()))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# -- the recompilation warning (issue #36) ------------------------------------------------
+
+RECOMPILED = "compiled .* new XLA graph"
+
+
+def recompilation_warnings(run: Callable[[], Any]) -> list[str]:
+    """The recompilation warnings (NOTE [recompilation]) that ``run()`` gave."""
+    import re
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return [str(w.message) for w in caught if re.search(RECOMPILED, str(w.message))]
+
+
+def _trimmed(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``out`` plus zero from a tensor whose size is read from the data: a host read
+    (``.item()``) and a shape that follows the data, a new graph for most batches."""
+    size = 1 + int(abs(float(x.sum().item())) * 1000) % 97
+    return out + torch.zeros(size, device=x.device).sum()
+
+
+def data_dependent_loop(strategy: ds.Strategy, steps: int = 20) -> None:
+    """A custom loop whose step's shapes depend on the data (a new graph most steps)."""
+    x, y = data()
+    with strategy.scope():
+        model = mlp(hidden=20)  # a width no other test compiles
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def trimming_step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        out = _trimmed(model(xb), xb)
+        loss = ds.compute_average_loss(
+            torch.nn.functional.cross_entropy(out, yb, reduction="none"),
+            global_batch_size=GLOBAL_BATCH,
+        )
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    batches = strategy.experimental_distribute_dataset(loader(x, y))
+    for _, batch in zip(range(steps), batches):
+        strategy.run(trimming_step, args=batch)
+
+
+class _Trimming(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(hidden=22)  # a width no other test compiles
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _trimmed(self.net(x), x)
+
+
+def data_dependent_fit(strategy: ds.Strategy, epochs: int, steps_per_execution: int = 1) -> None:
+    """``fit`` of a model whose forward's shapes depend on the data."""
+    x, y = data(FIT_EXAMPLES)
+    with strategy.scope():
+        model = ds.Model(_Trimming())
+    model.compile(
+        optimizer="sgd", loss=torch.nn.CrossEntropyLoss(), steps_per_execution=steps_per_execution
+    )
+    model.fit(x.numpy(), y.numpy(), batch_size=FIT_BATCH, epochs=epochs, verbose=0)

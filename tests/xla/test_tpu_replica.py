@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 pytest.importorskip("torch_xla", reason="needs torch_xla (the XLA lane: .ci/xla)")
@@ -22,11 +24,14 @@ from _common import (
     cpu_reference,
     cpu_reference_of_width,
     data,
+    data_dependent_fit,
+    data_dependent_loop,
     default_fit_run,
     fit_history,
     fit_run,
     initial_weights,
     mlp,
+    recompilation_warnings,
     train,
     train_in_executions,
     written_once,
@@ -335,3 +340,40 @@ def test_one_execution_leaves_each_run_its_own_steps_in_replica_mode(
     got, runs = train_in_executions(strategy, x, y, every=8)
     assert_close_to_reference(got, cpu_reference_of_width(x, y, hidden=24))
     assert runs == 4 * 2 * 20, runs  # per step and device: the gradients, the update
+
+
+# -- the recompilation warning (issue #36) ------------------------------------------------
+
+
+def test_a_step_whose_shapes_follow_the_data_is_warned_of_once(
+    strategy: ds.TPUStrategy,
+) -> None:
+    before = xla.compile_count()
+    messages = recompilation_warnings(lambda: data_dependent_loop(strategy))
+    assert xla.compile_count() - before > 8  # it does recompile (before: silently)
+    assert len(messages) == 1, messages  # once, not once per new graph
+    (message,) = messages
+    assert "'data_dependent_loop.<locals>.trimming_step'" in message, message
+    assert "depend on the data" in message and ".item()" in message, message
+
+
+def test_fit_whose_shapes_follow_the_data_is_warned_of_after_the_first_epoch(
+    strategy: ds.TPUStrategy,
+) -> None:
+    assert recompilation_warnings(lambda: data_dependent_fit(strategy, epochs=1)) == []
+    messages = recompilation_warnings(
+        lambda: data_dependent_fit(strategy, epochs=3, steps_per_execution=1)
+    )
+    # Once per signature: with steps_per_execution 4, an epoch's 10 steps are
+    # executions of 4 steps and a last one of 2.
+    assert 1 <= len(messages) <= 2, messages
+    assert all("'Model._run_step.<locals>.replica_fn'" in m for m in messages), messages
+    assert all("after the first epoch" in m for m in messages), messages
+
+
+def test_clean_loops_and_fit_give_no_recompilation_warning(strategy: ds.TPUStrategy) -> None:
+    x, y = data()
+    assert recompilation_warnings(lambda: train(strategy, x, y, on_step=lambda i: None)) == []
+    for every in (1, 4):
+        run = functools.partial(fit_run, strategy, steps_per_execution=every)
+        assert recompilation_warnings(run) == []
