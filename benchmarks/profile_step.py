@@ -51,7 +51,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
-import distribute as ds
+import distribute as ds  # noqa: E402  (after the path insert)
 
 LIBRARY = str(ROOT / "distribute")
 WARMUP = 5
@@ -190,7 +190,7 @@ def top_functions(
 def own_time_by_place(stats: pstats.Stats, per: int) -> dict[str, float]:
     """Own (exclusive) time per step by where the code is, in microseconds."""
     places: dict[str, float] = {}
-    for (filename, _, name), (_, _, own, _, _) in stats.stats.items():  # type: ignore[attr-defined]
+    for (filename, _, _name), (_, _, own, _, _) in stats.stats.items():  # type: ignore[attr-defined]
         if filename.startswith(LIBRARY):
             place = "distribute (Python)"
         elif "/torch/" in filename:
