@@ -250,7 +250,9 @@ class ReplicatedExtended(StrategyExtended):
             self._before_run()
             try:
                 replica_ctx = ReplicaContext(strategy, self._global_id(0), 0)
-                args, kwargs = select_replica(0, (args, kwargs), 1)
+                args = select_replica(0, args, 1)
+                if kwargs:
+                    kwargs = select_replica(0, kwargs, 1)
                 if self._places_arguments:
                     args, kwargs = _on_device((args, kwargs), self._devices[0])
                 with context._push(strategy, replica_ctx):
@@ -295,7 +297,8 @@ class ReplicatedExtended(StrategyExtended):
 
         def replica_fn(local: int) -> Any:
             replica_ctx = ReplicaContext(strategy, self._global_id(local), local)
-            own_args, own_kwargs = select_replica(local, (args, kwargs), n)
+            own_args = select_replica(local, args, n)
+            own_kwargs = select_replica(local, kwargs, n) if kwargs else {}
             if self._places_arguments:
                 own_args, own_kwargs = _on_device((own_args, own_kwargs), self._devices[local])
             with context._push(strategy, replica_ctx):
