@@ -496,7 +496,8 @@ class ReplicatedExtended(StrategyExtended):
             self._hand_placed(self._lifecycle)
 
     def _skip_grads_in_this_replica(self) -> bool:
-        return self._step_handler.hides_gradients()
+        # Only central storage hides gradients (read at every `.grad` of a replica).
+        return self._central and self._step_handler.hides_gradients()
 
     def colocate_vars_with(
         self, colocate_with_variable: Any
