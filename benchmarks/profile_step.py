@@ -311,15 +311,20 @@ def run_path(path: str, steps: int, optimizer_name: str, top: int) -> None:
     elif path == "multi_worker":
         from distribute import launch
 
-        lines = launch.run(_multi_worker, 2, args=(steps, optimizer_name, top), timeout=300)
+        lines = launch.run(
+            _multi_worker, 2, args=(steps, optimizer_name, top, LIBRARY_ONLY), timeout=300
+        )
         print(lines[0], end="", flush=True)
     else:
         raise SystemExit(f"unknown path {path!r}")
 
 
-def _multi_worker(steps: int, optimizer_name: str, top: int) -> str:
+def _multi_worker(steps: int, optimizer_name: str, top: int, library_only: bool) -> str:
     import contextlib
     import io
+
+    global LIBRARY_ONLY
+    LIBRARY_ONLY = library_only
 
     torch.set_num_threads(1)
     strategy = ds.MultiWorkerMirroredStrategy()

@@ -399,6 +399,7 @@ class Model(torch.nn.Module):
         # The batch hooks only where a callback does something in them (issue 40).
         batch_begin = _batch_hook(hooks, "on_train_batch_begin")
         batch_end = _batch_hook(hooks, "on_train_batch_end")
+        one_worker = self._cross_worker() is None
         fresh = False  # the iterator was just made: an empty pass means empty data
         pending: tuple[int, dict[str, float]] | None = None
         reduced = 0
@@ -444,7 +445,7 @@ class Model(torch.nn.Module):
                 if batch_end is not None:
                     batch_end(*pending)
                 pending = None
-            if stop or (self._cross_worker() is None and self.stop_training):
+            if stop or (one_worker and self.stop_training):
                 self.stop_training = True
                 break
         if executions.pending:  # logs not read yet: the last execution's (XLA), or the
