@@ -284,10 +284,25 @@ def select_replica(replica: int, structure: Any, num_replicas: int | None = None
                 "makes one)"
             )
         return values[replica]
+    kind = type(structure)
+    if kind is tuple or kind is list:  # `run`'s args, the common case: no walk into leaves
+        selected = [
+            select_replica(replica, c, num_replicas)
+            if isinstance(c, _SELECTABLE) or hasattr(type(c), "__dataclass_fields__")
+            else c  # a leaf no selection changes (a tensor, a number)
+            for c in structure
+        ]
+        return selected if kind is list else tuple(selected)
+    if kind is dict and not structure:  # `run`'s kwargs, most often
+        return {}
     children = _children(structure)
     if children is None:
         return structure
     return _rebuild(structure, [select_replica(replica, c, num_replicas) for c in children])
+
+
+#: What `select_replica` looks into (with dataclass instances).
+_SELECTABLE = (DistributedValues, list, tuple, dict)
 
 
 def regroup(per_replica: Sequence[Any], wrap: type[DistributedValues] = PerReplica) -> Any:

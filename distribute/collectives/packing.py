@@ -53,6 +53,7 @@ __all__ = [
     "PackedTensors",
     "pack_by_bytes",
     "pack_tensors",
+    "shaped_views",
     "slot_views",
     "split_num_packs",
     "sum_packs",
@@ -216,10 +217,22 @@ def slot_views(flat: torch.Tensor, templates: Sequence[torch.Tensor]) -> list[to
         >>> a.tolist(), b.tolist()
         ([[0.0, 1.0], [2.0, 3.0]], [4.0, 5.0])
     """
-    numel = sum(t.numel() for t in templates)
+    return shaped_views(flat, [t.shape for t in templates])
+
+
+def shaped_views(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    """`slot_views` from the shapes alone (a hot path's, computed once: a distributed
+    variable's own `.shape` and `.numel()` go through its `__torch_function__`).
+
+    Example:
+        >>> import torch
+        >>> [v.tolist() for v in shaped_views(torch.arange(5.0), [torch.Size([2]), torch.Size([])])]
+        [[0.0, 1.0], 2.0]
+    """
+    numel = sum(s.numel() for s in shapes)
     if flat.numel() != numel:
         flat = flat[:numel]
-    return _unflatten(flat, [t.shape for t in templates])
+    return _unflatten(flat, shapes)
 
 
 def pack_tensors(tensors: Sequence[torch.Tensor]) -> PackedTensors:

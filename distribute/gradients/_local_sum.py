@@ -34,7 +34,7 @@ import torch
 
 from distribute import _torch
 from distribute._enums import ReduceOp
-from distribute.collectives.packing import pack_by_bytes, slot_views
+from distribute.collectives.packing import pack_by_bytes, shaped_views, slot_views
 from distribute.variables import DistributedVariable
 
 if TYPE_CHECKING:
@@ -72,6 +72,10 @@ class LocalSum:
     def __init__(self, ext: ReplicaGroup, variables: Sequence[DistributedVariable]) -> None:
         self._ext = ext
         self._variables = list(variables)
+        # Read once: a variable's own `.shape` and `.numel()` dispatch through its
+        # `__torch_function__`, and a shape change makes a new LocalSum (the key of
+        # `SynchronousStepHandler._sum_for` holds the layout generation).
+        self._shapes = [v.shape for v in self._variables]
         devices = ext.devices
         self._on_gpus = (
             len(devices) > 1
@@ -104,12 +108,13 @@ class LocalSum:
         if result is None:
             return
         device = ext.devices[local]
+        shapes = self._shapes
         for indices, total, unused in result:
             flat = total if total.device == device else total.to(device)
-            for j, view in zip(indices, slot_views(flat, [variables[j] for j in indices])):
+            for j, view in zip(indices, shaped_views(flat, [shapes[j] for j in indices])):
                 var = variables[j]
                 grad = _get_grad(var, local)
-                if grad is None or grad.shape != var.shape:
+                if grad is None or grad.shape != shapes[j]:
                     if j not in unused:
                         _set_grad(var, local, view.clone())
                 else:
@@ -142,7 +147,7 @@ class LocalSum:
         devices = ext.devices
         packs: list[tuple[list[int], torch.Tensor]] = []
         for dtype, indices in by_dtype.items():
-            sizes = [variables[j].numel() * dtype.itemsize for j in indices]
+            sizes = [self._shapes[j].numel() * dtype.itemsize for j in indices]
             for pack in pack_by_bytes(sizes, ext.bytes_per_pack, reverse=False):
                 members = [indices[k] for k in pack]
                 parts = [
@@ -155,7 +160,7 @@ class LocalSum:
                 # replicas' are added into its slots variable by variable, with no
                 # concatenated copy of theirs.
                 total = torch.cat(parts)
-                slots = slot_views(total, [variables[j] for j in members])
+                slots = shaped_views(total, [self._shapes[j] for j in members])
                 for r in range(1, len(per_replica)):
                     _add_into(slots, [per_replica[r][j] for j in members])
                 packs.append((members, total))

@@ -64,6 +64,15 @@ class SynchronousStepHandler:
         self._lock = threading.Lock()
         # Per optimizer: whether its steps get plain tensors (NOTE [plain tensors at the step]).
         self._plain: weakref.WeakKeyDictionary[Optimizer, bool] = weakref.WeakKeyDictionary()
+        # (several local replicas, replicas in sync, central storage): fixed for the
+        # engine's life, read at the first step rather than through the group's
+        # properties at every step (issue 40).
+        self._fixed: tuple[bool, int, bool] | None = None
+
+    def _replicas(self) -> tuple[bool, int, bool]:
+        group = self._group
+        self._fixed = (len(group.devices) > 1, group.num_replicas_in_sync, group.central_storage)
+        return self._fixed
 
     def _sum_for(
         self, optimizer: Optimizer, variables: Sequence[DistributedVariable]
@@ -99,8 +108,8 @@ class SynchronousStepHandler:
     def sum_gradients(
         self, optimizer: Optimizer, variables: Sequence[DistributedVariable], local: int
     ) -> None:
-        group = self._group
-        if group.aggregate_gradients and group.num_replicas_in_sync > 1:
+        in_sync = (self._fixed or self._replicas())[1]
+        if in_sync > 1 and self._group.aggregate_gradients:
             self._sum_for(optimizer, variables).sum(local)
 
     def before_step(
@@ -112,7 +121,7 @@ class SynchronousStepHandler:
         summed: bool,
     ) -> None:
         group = self._group
-        several = len(group.devices) > 1
+        several, in_sync, central = self._fixed or self._replicas()
         plain = self._plain_tensors(optimizer)
         if (several or plain) and not isinstance(optimizer.state, PerReplicaState):
             with self._lock:
@@ -122,11 +131,10 @@ class SynchronousStepHandler:
                     )
         # Taken before the sum, while no replica can have stepped yet.
         view = self._own_groups(optimizer, local, plain) if several or plain else None
-        if not summed:
-            if group.num_replicas_in_sync > 1:
-                _refuse_torch_grad_scaler()
+        if not summed and in_sync > 1:
+            _refuse_torch_grad_scaler()
             self.sum_gradients(optimizer, variables, local)
-        if group.central_storage and local != 0:
+        if central and local != 0:
             self._hidden.value = True
         if view is not None:
             groups = optimizer.param_groups
@@ -192,7 +200,7 @@ class SynchronousStepHandler:
             state = optimizer.state
             if isinstance(state, PerReplicaState):
                 state.translate(None)
-        if not self._group.central_storage:
+        if not (self._fixed or self._replicas())[2]:
             return
         self._hidden.value = False
         # Replicas wait until replica 0 has updated the one shared copy.

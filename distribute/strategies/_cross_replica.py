@@ -56,7 +56,7 @@ class CrossReplicaReductions:
         return None
 
     def reduce(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
-        if isinstance(value, DistributedVariable):
+        if isinstance(value, (torch.Tensor, DistributedValues)):  # a leaf: no nest walk
             return self.reduce_leaf(op, value, axis)
         return pack_sequence_as(
             value, [self.reduce_leaf(op, leaf, axis) for leaf in flatten(value)]

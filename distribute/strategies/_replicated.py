@@ -252,7 +252,9 @@ class ReplicatedExtended(StrategyExtended):
             self._before_run()
             try:
                 replica_ctx = ReplicaContext(strategy, self._global_id(0), 0)
-                args, kwargs = select_replica(0, (args, kwargs), 1)
+                args = select_replica(0, args, 1)
+                if kwargs:
+                    kwargs = select_replica(0, kwargs, 1)
                 if self._places_arguments:
                     args, kwargs = _on_device((args, kwargs), self._devices[0])
                 with context._push(strategy, replica_ctx):
@@ -297,7 +299,8 @@ class ReplicatedExtended(StrategyExtended):
 
         def replica_fn(local: int) -> Any:
             replica_ctx = ReplicaContext(strategy, self._global_id(local), local)
-            own_args, own_kwargs = select_replica(local, (args, kwargs), n)
+            own_args = select_replica(local, args, n)
+            own_kwargs = select_replica(local, kwargs, n) if kwargs else {}
             if self._places_arguments:
                 own_args, own_kwargs = _on_device((own_args, own_kwargs), self._devices[local])
             with context._push(strategy, replica_ctx):
@@ -496,7 +499,8 @@ class ReplicatedExtended(StrategyExtended):
             self._hand_placed(self._lifecycle)
 
     def _skip_grads_in_this_replica(self) -> bool:
-        return self._step_handler.hides_gradients()
+        # Only central storage hides gradients (read at every `.grad` of a replica).
+        return self._central and self._step_handler.hides_gradients()
 
     def colocate_vars_with(
         self, colocate_with_variable: Any

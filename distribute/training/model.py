@@ -396,6 +396,10 @@ class Model(torch.nn.Module):
         taken = 0
         every = self._steps_per_execution
         running = _wants_batch_logs(hooks)  # else the metrics are not summed per step
+        # The batch hooks only where a callback does something in them (issue 40).
+        batch_begin = _batch_hook(hooks, "on_train_batch_begin")
+        batch_end = _batch_hook(hooks, "on_train_batch_end")
+        one_worker = self._cross_worker() is None
         fresh = False  # the iterator was just made: an empty pass means empty data
         pending: tuple[int, dict[str, float]] | None = None
         reduced = 0
@@ -429,8 +433,8 @@ class Model(torch.nn.Module):
             fresh = False
             step = iterator.steps - 1
             index = taken if steps_per_epoch is not None else step
-            if taken % every == 0:
-                hooks.on_train_batch_begin(index)
+            if batch_begin is not None and taken % every == 0:
+                batch_begin(index)
             size = self._step_size_of(train, step, batch)
             executions.run(size, self._run_step, self.train_step, batch, size)
             taken += 1
@@ -438,15 +442,16 @@ class Model(torch.nn.Module):
                 continue  # the execution's next step
             stop, pending = settle(index, wait=running)
             if taken % every == 0:
-                hooks.on_train_batch_end(*pending)
+                if batch_end is not None:
+                    batch_end(*pending)
                 pending = None
-            if stop or (self._cross_worker() is None and self.stop_training):
+            if stop or (one_worker and self.stop_training):
                 self.stop_training = True
                 break
         if executions.pending:  # logs not read yet: the last execution's (XLA), or the
             _, pending = settle(index, wait=True)  # data ended inside an execution
-        if pending is not None and taken % every:  # the last steps of a group
-            hooks.on_train_batch_end(*pending)
+        if pending is not None and taken % every and batch_end is not None:  # a group's last
+            batch_end(*pending)
         if count == 0 and steps_per_epoch is None and iterator.steps == 0:
             raise InvalidArgumentError("fit got no data: the dataset is empty")
         return total, count
@@ -645,6 +650,21 @@ def _wants_batch_logs(hooks: CallbackList) -> bool:
         elif type(callback).on_train_batch_end is not Callback.on_train_batch_end:
             return True
     return False
+
+
+def _batch_hook(hooks: CallbackList, name: str) -> Callable[..., None] | None:
+    """``hooks``' hook ``name`` (a batch hook), or None where no callback does anything
+    in it: `Callback`'s own hooks do nothing, nor does a progress bar that draws no bar
+    (``verbose`` other than 1); `fit` then skips it at every step."""
+    base = getattr(Callback, name)
+    hook: Callable[..., None] = getattr(hooks, name)
+    for callback in hooks.callbacks:
+        if isinstance(callback, ProgressBar):
+            if callback.verbose == 1:
+                return hook
+        elif getattr(type(callback), name) is not base or name in getattr(callback, "__dict__", {}):
+            return hook
+    return None
 
 
 def _known_size(data: Data, step: int) -> int | None:
