@@ -220,8 +220,8 @@ def share_group(group: dist.ProcessGroup | None, created: bool) -> GroupUsers | 
 
     Returns:
         The group's users, this object counted, when the library initialised the
-        group (now or for an earlier object); None for a group someone else made,
-        which the library never destroys.
+            group (now or for an earlier object); None for a group someone else made,
+            which the library never destroys.
     """
     if group is None:
         if not dist.is_initialized():

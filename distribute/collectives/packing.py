@@ -226,7 +226,9 @@ def shaped_views(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch
 
     Example:
         >>> import torch
-        >>> [v.tolist() for v in shaped_views(torch.arange(5.0), [torch.Size([2]), torch.Size([])])]
+        >>> from distribute.collectives.packing import shaped_views
+        >>> shapes = [torch.Size([2]), torch.Size([])]
+        >>> [v.tolist() for v in shaped_views(torch.arange(5.0), shapes)]
         [[0.0, 1.0], 2.0]
     """
     numel = sum(s.numel() for s in shapes)

@@ -440,6 +440,7 @@ def _killed_inside_the_tensor_write(directory: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow  # run by CI (.ci/run: -m slow), not by the README's command
 def test_a_worker_killed_inside_the_tensor_write_is_named_by_every_survivor_within_seconds(
     tmp_path: Path,
 ) -> None:

@@ -138,6 +138,7 @@ def _block_forever(pid_dir: str) -> None:
 
 # Long enough for both workers to start and write their pids on a busy 2-core machine
 # (3 s was not, for new interpreters importing torch under a full suite).
+@pytest.mark.slow  # run by CI (.ci/run: -m slow), not by the README's command
 @pytest.mark.parametrize("start,timeout", [("fresh", 12.0), ("preloaded", 6.0)])
 def test_the_timeout_kills_every_worker_and_names_the_ranks_still_running(
     tmp_path: Path, start: str, timeout: float

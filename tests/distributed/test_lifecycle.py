@@ -236,6 +236,7 @@ def _cycles(n: int) -> dict[str, Any]:
     return {"after": after}
 
 
+@pytest.mark.slow  # run by CI (.ci/run: -m slow), not by the README's command
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs Linux's /proc")
 def test_fifty_strategies_on_one_port_leave_descriptors_and_threads_flat() -> None:
     for out in launch.run(_cycles, 2, args=(50,), launcher="tf_config", timeout=140):
@@ -341,6 +342,7 @@ else:
 """
 
 
+@pytest.mark.slow  # run by CI (.ci/run: -m slow), not by the README's command
 def test_ctrl_c_in_a_collective_exits_at_once_and_the_peer_names_it_gone() -> None:
     workers = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
     procs = [

@@ -302,6 +302,7 @@ def worker_restart() -> dict[str, Any]:
     return _run_chief("worker_restart")
 
 
+@pytest.mark.slow  # run by CI (.ci/run: -m slow), not by the README's command
 def test_closures_of_a_killed_worker_run_elsewhere_at_least_once(
     worker_failure: dict[str, Any],
 ) -> None:
@@ -312,6 +313,7 @@ def test_closures_of_a_killed_worker_run_elsewhere_at_least_once(
     assert closures <= check["counter"] <= closures + 1, check["counter"]
 
 
+@pytest.mark.slow  # run by CI (.ci/run: -m slow), not by the README's command
 def test_with_every_worker_dead_join_fails_naming_the_loss_after_the_timeout(
     worker_failure: dict[str, Any],
 ) -> None:
@@ -328,6 +330,7 @@ def test_with_every_worker_dead_join_fails_naming_the_loss_after_the_timeout(
     assert worker_failure["exit_codes"] == {"ps_0": 0, "worker_0": 0, "worker_1": -9}
 
 
+@pytest.mark.slow  # run by CI (.ci/run: -m slow), not by the README's command
 def test_a_restarted_worker_rejoins_and_runs_closures_again(
     worker_restart: dict[str, Any],
 ) -> None:
@@ -342,6 +345,7 @@ def test_a_restarted_worker_rejoins_and_runs_closures_again(
     assert check["counter_after_rejoin"] == check["counter_after_kill"] + 20
 
 
+@pytest.mark.slow  # run by CI (.ci/run: -m slow), not by the README's command
 def test_a_worker_restarted_after_every_worker_died_runs_the_next_closure(
     worker_failure: dict[str, Any],
 ) -> None:
@@ -350,6 +354,7 @@ def test_a_worker_restarted_after_every_worker_died_runs_the_next_closure(
     assert check["seconds"] < 60.0
 
 
+@pytest.mark.slow  # run by CI (.ci/run: -m slow), not by the README's command
 def test_after_a_restart_the_process_starts_another_cluster_using_every_worker(
     worker_restart: dict[str, Any],
 ) -> None:
@@ -359,6 +364,7 @@ def test_after_a_restart_the_process_starts_another_cluster_using_every_worker(
     assert check["exit_codes"] == {"ps_0": 0, "worker_0": 0, "worker_1": 0}
 
 
+@pytest.mark.slow  # run by CI (.ci/run: -m slow), not by the README's command
 def test_a_restarted_workers_per_worker_iterator_is_rebuilt_from_the_start(
     worker_restart: dict[str, Any],
 ) -> None:
@@ -366,6 +372,7 @@ def test_a_restarted_workers_per_worker_iterator_is_rebuilt_from_the_start(
     assert check["first_batch_there"] == [0, 1]
 
 
+@pytest.mark.slow  # run by CI (.ci/run: -m slow), not by the README's command
 def test_a_second_process_claiming_a_live_worker_is_refused_naming_it(
     worker_restart: dict[str, Any],
 ) -> None:
@@ -375,6 +382,7 @@ def test_a_second_process_claiming_a_live_worker_is_refused_naming_it(
     assert check["still"] == 5  # the cluster goes on
 
 
+@pytest.mark.slow  # run by CI (.ci/run: -m slow), not by the README's command
 def test_every_task_exits_0_after_a_restart_and_a_clean_shutdown(
     worker_restart: dict[str, Any],
 ) -> None:
@@ -404,6 +412,7 @@ def ps_frozen() -> dict[str, Any]:
     return _run_chief("ps_frozen")
 
 
+@pytest.mark.slow  # run by CI (.ci/run: -m slow), not by the README's command
 def test_a_frozen_ps_is_named_not_blamed_on_the_worker_within_the_timeout(
     ps_frozen: dict[str, Any],
 ) -> None:
