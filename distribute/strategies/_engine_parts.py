@@ -101,6 +101,10 @@ class VariableHome(Protocol):
         """A block in which new variables live where ``variable`` does."""
         ...
 
+    def owns(self, variable: Any) -> bool:
+        """Whether ``variable`` was created in this strategy's scope."""
+        ...
+
 
 class ScopeLifecycle(Protocol):
     """What a strategy does as its scope is entered and left, and around `run`."""

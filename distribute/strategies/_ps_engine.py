@@ -206,6 +206,15 @@ class ParameterServerVariables:
         self._next_ps += 1
         return task
 
+    def owns(self, variable: Any) -> bool:
+        """Whether ``variable`` was created in this strategy's scope (it lives on the
+        strategy's ps tasks, or is sharded over them)."""
+        if isinstance(variable, ShardedVariable):
+            return all(self.owns(part) for part in variable.variables)
+        if not isinstance(variable, ParameterServerVariable):
+            return False
+        return _runtime.current().variables.get(variable.handle.var_id) is variable
+
     def create_variable(self, value: torch.Tensor, spec: VariableSpec) -> Any:
         trainable, aggregation = spec.trainable, spec.aggregation
         if spec.is_buffer or self._on_task:

@@ -510,7 +510,9 @@ class ReplicatedExtended(StrategyExtended):
         return self._colocate_same_devices(colocate_with_variable)
 
     def variable_created_in_scope(self, v: Any) -> bool:
-        if not self._captures_modules and self._home is None:
+        if self._home is not None:
+            return self._home.owns(v)
+        if not self._captures_modules:
             # The default strategy, as TF's: every variable no strategy holds is its own.
             return (
                 isinstance(v, torch.Tensor)
