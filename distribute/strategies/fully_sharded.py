@@ -179,7 +179,8 @@ class FullyShardedStrategy(WorkerIdentity, Strategy):
         return self._sharding_options
 
     def shutdown(self) -> None:
-        """Destroys the process group; the strategy cannot run collectives afterwards."""
+        """Leaves the process group, destroying it unless another strategy still uses it
+        (NOTE [shared groups]); the strategy cannot run collectives afterwards."""
         self._collectives.shutdown()
 
     def __repr__(self) -> str:

@@ -575,7 +575,8 @@ class ModelParallelStrategy(WorkerIdentity, Strategy):
         return self._plan.mesh
 
     def shutdown(self) -> None:
-        """Destroys the process group; the strategy cannot run collectives afterwards."""
+        """Leaves the process group, destroying it unless another strategy still uses it
+        (NOTE [shared groups]); the strategy cannot run collectives afterwards."""
         self._collectives.world.shutdown()
 
     def __repr__(self) -> str:
