@@ -419,6 +419,28 @@ def explain(
     return missing, "; ".join(clauses)
 
 
+def _quoted_verdict(liveness: Liveness, state: WatchState, grace: float) -> tuple[int, str] | None:
+    """(the prober, its verdict) when a peer that gave up first told this rank, and
+    its verdict arrives in time; else None (this rank diagnoses itself)."""
+    interrupt = state.interrupt
+    if interrupt is None or interrupt.probe_id is None:
+        return None
+    verdict = liveness.await_verdict(interrupt.probe_id, 2 * grace + 1.0)
+    return None if verdict is None else (interrupt.prober, verdict)
+
+
+def _probe(
+    liveness: Liveness, state: WatchState, position: Position, grace: float
+) -> tuple[str, dict[int, PeerReport]]:
+    """`Liveness.probe`; meanwhile this rank's watcher does not take a peer's probe for
+    an interrupt (both ranks are diagnosing the same failure)."""
+    state.diagnosing = True
+    try:
+        return liveness.probe(position, grace)
+    finally:
+        state.diagnosing = False
+
+
 def diagnose(
     liveness: Liveness | None,
     state: WatchState,
@@ -444,19 +466,14 @@ def diagnose(
             f"shared. Check that every rank runs the same collectives and that no process "
             f"died.{cause}"
         )
-    interrupt = state.interrupt
-    if interrupt is not None and interrupt.probe_id is not None:
-        verdict = liveness.await_verdict(interrupt.probe_id, 2 * grace + 1.0)
-        if verdict is not None:
-            return CollectiveTimeoutError(
-                f"{what} cannot complete on rank {rank} (waited {elapsed:.1f} s): rank "
-                f"{interrupt.prober} gave up on the group. Its diagnosis: {verdict}"
-            )
-    state.diagnosing = True
-    try:
-        probe_id, reports = liveness.probe(position, grace)
-    finally:
-        state.diagnosing = False
+    quoted = _quoted_verdict(liveness, state, grace)
+    if quoted is not None:
+        prober, verdict = quoted
+        return CollectiveTimeoutError(
+            f"{what} cannot complete on rank {rank} (waited {elapsed:.1f} s): rank "
+            f"{prober} gave up on the group. Its diagnosis: {verdict}"
+        )
+    probe_id, reports = _probe(liveness, state, position, grace)
     missing, details = explain(position, rank, liveness.world_size, reports)
     verb = "failed" if exc is not None else "timed out"
     if missing:
@@ -513,19 +530,13 @@ def diagnose_transport(
             f"{head}; the missing ranks cannot be named because the process group's store "
             f"cannot be shared. Check that no process died.{cause}"
         )
-    interrupt = state.interrupt
-    if interrupt is not None and interrupt.probe_id is not None:
-        verdict = liveness.await_verdict(interrupt.probe_id, 2 * grace + 1.0)
-        if verdict is not None:
-            return CollectiveTimeoutError(
-                f"{head}: {describe(interrupt.prober)} gave up on the group first. Its "
-                f"diagnosis: {verdict}"
-            )
-    state.diagnosing = True
-    try:
-        probe_id, reports = liveness.probe((0, what), grace)
-    finally:
-        state.diagnosing = False
+    quoted = _quoted_verdict(liveness, state, grace)
+    if quoted is not None:
+        prober, verdict = quoted
+        return CollectiveTimeoutError(
+            f"{head}: {describe(prober)} gave up on the group first. Its diagnosis: {verdict}"
+        )
+    probe_id, reports = _probe(liveness, state, (0, what), grace)
     lost = sorted(r for r, report in reports.items() if not report.alive)
     if lost:
         clauses = [
