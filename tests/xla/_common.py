@@ -418,3 +418,43 @@ def data_dependent_fit(strategy: ds.Strategy, epochs: int, steps_per_execution: 
         optimizer="sgd", loss=torch.nn.CrossEntropyLoss(), steps_per_execution=steps_per_execution
     )
     model.fit(x.numpy(), y.numpy(), batch_size=FIT_BATCH, epochs=epochs, verbose=0)
+
+
+# -- the recompilation warning's checks, shared by both modes (issue #36) -------------------
+
+
+def check_data_dependent_loop_warned_once(strategy: ds.Strategy) -> None:
+    """A custom loop whose step trims its batch by a host read recompiles, and is
+    warned of once, naming the step."""
+    from distribute.collectives import xla
+
+    before = xla.compile_count()
+    messages = recompilation_warnings(lambda: data_dependent_loop(strategy))
+    assert xla.compile_count() - before > 8  # it does recompile (before: silently)
+    assert len(messages) == 1, messages  # once, not once per new graph
+    (message,) = messages
+    assert "'data_dependent_loop.<locals>.trimming_step'" in message, message
+    assert "depend on the data" in message and ".item()" in message, message
+
+
+def check_data_dependent_fit_warned_after_the_first_epoch(
+    strategy: ds.Strategy, steps_per_execution: int
+) -> None:
+    """The same under `fit`: nothing in the first epoch, then once per signature (an
+    epoch's 10 steps in executions of ``steps_per_execution`` make at most two)."""
+    assert recompilation_warnings(lambda: data_dependent_fit(strategy, epochs=1)) == []
+    messages = recompilation_warnings(
+        lambda: data_dependent_fit(strategy, epochs=3, steps_per_execution=steps_per_execution)
+    )
+    assert 1 <= len(messages) <= 2, messages
+    assert all("'Model._run_step.<locals>.replica_fn'" in m for m in messages), messages
+    assert all("after the first epoch" in m for m in messages), messages
+
+
+def check_clean_runs_not_warned(strategy: ds.Strategy) -> None:
+    """A clean custom loop and a clean `fit` (1 and 4 steps per execution): no warning."""
+    x, y = data()
+    assert recompilation_warnings(lambda: train(strategy, x, y, on_step=lambda i: None)) == []
+    for every in (1, 4):
+        run = functools.partial(fit_run, strategy, steps_per_execution=every)
+        assert recompilation_warnings(run) == []

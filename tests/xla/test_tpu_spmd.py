@@ -5,8 +5,6 @@ Run in its own process (``-m spmd``): torch_xla's SPMD mode is process-wide.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 pytest.importorskip("torch_xla", reason="needs torch_xla (the XLA lane: .ci/xla)")
@@ -26,18 +24,18 @@ from _common import (
     assert_same_history,
     assert_same_run,
     assert_same_weights,
+    check_clean_runs_not_warned,
+    check_data_dependent_fit_warned_after_the_first_epoch,
+    check_data_dependent_loop_warned_once,
     counted_fit_run,
     cpu_reference,
     cpu_reference_of_width,
     data,
-    data_dependent_fit,
-    data_dependent_loop,
     default_fit_run,
     fit_history,
     fit_run,
     initial_weights,
     loader,
-    recompilation_warnings,
     train,
     train_in_executions,
     written_once,
@@ -403,32 +401,14 @@ def test_layout_map_misuse_is_refused_with_the_reason() -> None:
 def test_a_step_whose_shapes_follow_the_data_is_warned_of_once(
     strategy: ds.TPUStrategy,
 ) -> None:
-    before = xla.compile_count()
-    messages = recompilation_warnings(lambda: data_dependent_loop(strategy))
-    assert xla.compile_count() - before > 8  # it does recompile (before: silently)
-    assert len(messages) == 1, messages  # once, not once per new graph
-    (message,) = messages
-    assert "'data_dependent_loop.<locals>.trimming_step'" in message, message
-    assert "depend on the data" in message and ".item()" in message, message
+    check_data_dependent_loop_warned_once(strategy)
 
 
 def test_fit_whose_shapes_follow_the_data_is_warned_of_after_the_first_epoch(
     strategy: ds.TPUStrategy,
 ) -> None:
-    assert recompilation_warnings(lambda: data_dependent_fit(strategy, epochs=1)) == []
-    messages = recompilation_warnings(
-        lambda: data_dependent_fit(strategy, epochs=3, steps_per_execution=4)
-    )
-    # Once per signature: with steps_per_execution 4, an epoch's 10 steps are
-    # executions of 4 steps and a last one of 2.
-    assert 1 <= len(messages) <= 2, messages
-    assert all("'Model._run_step.<locals>.replica_fn'" in m for m in messages), messages
-    assert all("after the first epoch" in m for m in messages), messages
+    check_data_dependent_fit_warned_after_the_first_epoch(strategy, steps_per_execution=4)
 
 
 def test_clean_loops_and_fit_give_no_recompilation_warning(strategy: ds.TPUStrategy) -> None:
-    x, y = data()
-    assert recompilation_warnings(lambda: train(strategy, x, y, on_step=lambda i: None)) == []
-    for every in (1, 4):
-        run = functools.partial(fit_run, strategy, steps_per_execution=every)
-        assert recompilation_warnings(run) == []
+    check_clean_runs_not_warned(strategy)
