@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -530,9 +529,7 @@ class ReplicatedExtended(StrategyExtended):
         group: bool,
     ) -> Any:
         if not isinstance(var, DistributedVariable):  # plain (default), or a shard (FSDP)
-            with torch.no_grad(), _replicated_if_dtensor(var):
-                result = fn(var, *args, **kwargs)
-            return result if group else (result,)
+            return self._update_one_tensor(var, fn, args, kwargs, group)
         results = []
         n = 1 if self._central else self._num_local
         with torch.no_grad():
@@ -744,13 +741,3 @@ def _gather_bytes(cross: CrossWorker, data: bytes) -> list[bytes]:
 def _shutdown_threads(holder: list[ReplicaThreads]) -> None:
     for threads in holder:
         threads.shutdown()
-
-
-def _replicated_if_dtensor(var: torch.Tensor) -> contextlib.AbstractContextManager[None]:
-    """A DTensor variable (a shard) takes a plain tensor it meets as replicated."""
-    dtensor = sys.modules.get("torch.distributed.tensor")  # imported once something uses it
-    if dtensor is None or not isinstance(var, dtensor.DTensor):
-        return contextlib.nullcontext()
-    from distribute.strategies._tensor_parallel import plain_is_replicated
-
-    return plain_is_replicated()

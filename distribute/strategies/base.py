@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -179,6 +180,21 @@ class StrategyExtended(abc.ABC):
         group: bool,
     ) -> Any:
         """`update` of a variable of this strategy (the check is done)."""
+
+    def _update_one_tensor(
+        self,
+        var: torch.Tensor,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        group: bool,
+    ) -> Any:
+        """`_update` of a variable that is one tensor (the default strategy's plain one,
+        a DTensor an engine laid out or sharded): ``fn`` on it without gradients; a
+        plain tensor argument meeting a DTensor variable is taken as replicated."""
+        with torch.no_grad(), _replicated_if_dtensor(var):
+            result = fn(var, *args, **kwargs)
+        return result if group else (result,)
 
     def variable_created_in_scope(self, v: Any) -> bool:
         """Whether `v` is a variable created in this strategy's scope."""
@@ -619,3 +635,13 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
+
+
+def _replicated_if_dtensor(var: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+    """A DTensor variable takes a plain tensor it meets as replicated."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # imported once something uses it
+    if dtensor is None or not isinstance(var, dtensor.DTensor):
+        return contextlib.nullcontext()
+    from distribute.strategies._tensor_parallel import plain_is_replicated
+
+    return plain_is_replicated()

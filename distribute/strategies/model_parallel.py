@@ -249,9 +249,7 @@ class _MeshExtended(StrategyExtended):
         kwargs: dict[str, Any],
         group: bool,
     ) -> Any:
-        with torch.no_grad(), plain_is_replicated():
-            result = fn(var, *args, **kwargs)
-        return result if group else (result,)
+        return self._update_one_tensor(var, fn, args, kwargs, group)  # a DTensor
 
     # -- run --------------------------------------------------------------------------
 
