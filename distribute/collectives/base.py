@@ -15,7 +15,7 @@ import torch
 
 from distribute._enums import ReduceOp
 
-__all__ = ["CrossWorker"]
+__all__ = ["CrossWorker", "gather_bytes"]
 
 _T = TypeVar("_T")
 
@@ -69,3 +69,17 @@ class CrossWorker(Protocol):
     def all_reduce_async(
         self, tensors: Sequence[torch.Tensor], op: ReduceOp, *, name: str
     ) -> Any: ...
+
+
+def gather_bytes(cross: CrossWorker, data: bytes) -> list[bytes]:
+    """Every worker's ``data``, in worker order (two all-gathers: sizes, then bytes).
+
+    Example::
+
+        structures = gather_bytes(collectives, pickle.dumps(my_batch_structure))
+    """
+    sizes = cross.all_gather(torch.tensor([len(data)]), 0, name="input sizes").tolist()
+    mine = torch.tensor(list(data), dtype=torch.uint8)
+    flat = bytes(cross.all_gather(mine, 0, name="input structure").tolist())
+    offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return [flat[offsets[i] : offsets[i + 1]] for i in range(len(sizes))]

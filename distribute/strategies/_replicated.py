@@ -33,7 +33,7 @@ from distribute._enums import (
     VariableSpec,
     VariableSynchronization,
 )
-from distribute.collectives.base import CrossWorker
+from distribute.collectives.base import CrossWorker, gather_bytes
 from distribute.context import ReplicaContext
 from distribute.errors import (
     ContextError,
@@ -620,7 +620,7 @@ class ReplicatedExtended(StrategyExtended):
             worker_index=self._worker_index,
             num_workers=self._num_workers,
             sum_across_workers=lambda n: cross.all_reduce_int(n, "end-of-data agreement"),
-            gather_across_workers=functools.partial(_gather_bytes, cross),
+            gather_across_workers=functools.partial(gather_bytes, cross),
             collectives=cross,
         )
 
@@ -727,15 +727,6 @@ def _on_device(structure: Any, device: torch.device) -> Any:
         for leaf in leaves
     ]
     return pack_sequence_as(structure, moved)
-
-
-def _gather_bytes(cross: CrossWorker, data: bytes) -> list[bytes]:
-    """Every worker's ``data``, in worker order (two all-gathers: sizes, then bytes)."""
-    sizes = cross.all_gather(torch.tensor([len(data)]), 0, name="input sizes").tolist()
-    mine = torch.tensor(list(data), dtype=torch.uint8)
-    flat = bytes(cross.all_gather(mine, 0, name="input structure").tolist())
-    offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    return [flat[offsets[i] : offsets[i + 1]] for i in range(len(sizes))]
 
 
 def _shutdown_threads(holder: list[ReplicaThreads]) -> None:

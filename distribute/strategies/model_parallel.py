@@ -45,6 +45,7 @@ from distribute.cluster_resolver import ClusterResolver, resolve_cluster
 from distribute.collectives._calls import is_transport_error
 from distribute.collectives._deadlines import nccl_group_timeout
 from distribute.collectives._shapes import check_axis
+from distribute.collectives.base import gather_bytes
 from distribute.collectives.options import CommunicationOptions
 from distribute.context import ReplicaContext
 from distribute.errors import InvalidArgumentError
@@ -107,12 +108,7 @@ class _Collectives:
 
     def gather_over_replicas(self, data: bytes) -> list[bytes]:
         """Every replica's bytes, in replica order (within this batch group)."""
-        cross = self.batch
-        sizes = cross.all_gather(torch.tensor([len(data)]), 0, name="input sizes").tolist()
-        mine = torch.tensor(list(data), dtype=torch.uint8)
-        flat = bytes(cross.all_gather(mine, 0, name="input structure").tolist())
-        offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-        return [flat[offsets[i] : offsets[i + 1]] for i in range(len(sizes))]
+        return gather_bytes(self.batch, data)
 
 
 class _PeersDrawAlike:
