@@ -79,6 +79,7 @@ __all__ = [
     "CrossWorker",
     "ReplicatedExtended",
     "Workers",
+    "arguments_on_device",
     "parse_device",
 ]
 
@@ -255,7 +256,7 @@ class ReplicatedExtended(StrategyExtended):
                 if kwargs:
                     kwargs = select_replica(0, kwargs, 1)
                 if self._places_arguments:
-                    args, kwargs = _on_device((args, kwargs), self._devices[0])
+                    args, kwargs = arguments_on_device((args, kwargs), self._devices[0])
                 with context._push(strategy, replica_ctx):
                     return fn(*args, **kwargs)
             finally:
@@ -301,7 +302,9 @@ class ReplicatedExtended(StrategyExtended):
             own_args = select_replica(local, args, n)
             own_kwargs = select_replica(local, kwargs, n) if kwargs else {}
             if self._places_arguments:
-                own_args, own_kwargs = _on_device((own_args, own_kwargs), self._devices[local])
+                own_args, own_kwargs = arguments_on_device(
+                    (own_args, own_kwargs), self._devices[local]
+                )
             with context._push(strategy, replica_ctx):
                 return fn(*own_args, **own_kwargs)
 
@@ -714,7 +717,7 @@ class _ReplicaGroup:
         return self._engine._exchange(local, kind, payload, combine)
 
 
-def _on_device(structure: Any, device: torch.device) -> Any:
+def arguments_on_device(structure: Any, device: torch.device) -> Any:
     """``structure`` with every plain tensor not on ``device`` copied there (variables,
     which the strategy placed, are left alone)."""
     leaves = flatten(structure)

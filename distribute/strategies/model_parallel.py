@@ -60,7 +60,7 @@ from distribute.strategies._cluster import (
 )
 from distribute.strategies._devices import parse_device
 from distribute.strategies._layout import DeviceMesh, LayoutMap
-from distribute.strategies._replicated import DEFAULT_TIMEOUT_SECONDS
+from distribute.strategies._replicated import DEFAULT_TIMEOUT_SECONDS, arguments_on_device
 from distribute.strategies._tensor_parallel import (
     LaidOutModules,
     MeshPlan,
@@ -257,7 +257,7 @@ class _MeshExtended(StrategyExtended):
         replica_ctx = ReplicaContext(strategy, self._replica_id, 0)
         args, kwargs = select_replica(0, (args, kwargs), 1)
         if self._plan.device.type != "cpu":
-            args, kwargs = _on_device((args, kwargs), self._plan.device)
+            args, kwargs = arguments_on_device((args, kwargs), self._plan.device)
         with context._push(strategy, replica_ctx), self._plain_is_replicated():
             try:
                 return fn(*args, **kwargs)
@@ -658,15 +658,6 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
         whole: torch.Tensor = t.full_tensor()
         return whole
     return t
-
-
-def _on_device(structure: Any, device: torch.device) -> Any:
-    leaves = flatten(structure)
-    moved = [
-        leaf.to(device) if isinstance(leaf, torch.Tensor) and leaf.device != device else leaf
-        for leaf in leaves
-    ]
-    return pack_sequence_as(structure, moved)
 
 
 class _BatchReducer:
