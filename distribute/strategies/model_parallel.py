@@ -535,7 +535,6 @@ class ModelParallelStrategy(WorkerIdentity, Strategy):
         super().__init__(_MeshExtended(self, plan, collectives, layouts, gradients))
         self._collectives = collectives
         self._plan = plan
-        self._fully_shard = fully_shard
         weakref.finalize(self, world.shutdown)
         if rank == 0 and world_size > 1:
             logger.info(
