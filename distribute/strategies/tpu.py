@@ -489,6 +489,21 @@ class TPUStrategy(Strategy):
         if depth == 0:
             self._compiles.after(("execution", tuple(self._executions.steps)), before)
 
+    def one_epoch(self) -> contextlib.AbstractContextManager[None]:
+        """One epoch of a training loop: the compiles of the first are the steps'
+        warm-up; after it, a step that compiles again is warned of (NOTE
+        [recompilation] in `strategies/_xla_compiles.py`; `ds.Model.fit` uses this).
+        Outside it, a custom loop's first runs are its warm-up.
+
+        Example::
+
+            for epoch in range(epochs):
+                with strategy.one_epoch():
+                    for batch in dataset:
+                        strategy.run(step, args=(batch,))
+        """
+        return self._compiles.epoch()
+
     # -- input ----------------------------------------------------------------------
 
     def experimental_distribute_dataset(

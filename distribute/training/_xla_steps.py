@@ -91,7 +91,7 @@ class StepExecutions:
         # (NOTE [recompilation] in strategies/_xla_compiles.py).
         self._epoch = contextlib.ExitStack()
         if self._xla:
-            self._epoch.enter_context(strategy._compiles.epoch())
+            self._epoch.enter_context(strategy.one_epoch())
         self._steps: list[Step] = []  # the open execution's
         self._unread: list[Step] = []  # of executions ended
 
