@@ -155,10 +155,29 @@ refresh_per_optimizer_state: Callable[[], dict[str, Any]] = (
 )
 
 # -- callers torch passes nothing of: its own methods' running frames ---------------------------
+# NOTE [callers found by their frames]
 # torch has no hook on an optimizer's construction, and `torch.amp.GradScaler.step` hands
 # nothing of itself to `optimizer.step`; where the library must know who is calling, it
-# finds the caller here, by the name of torch's method in the running frames of this thread
-# (`METHODS_IN_FRAMES` names them; the tests resolve them and watch each found).
+# finds the caller here, by the name of torch's public method (`add_param_group`, `step`)
+# in the running frames of this thread, and ``self`` of that frame. `METHODS_IN_FRAMES`
+# names them; the tests resolve them and watch each found, so a torch release that
+# renames one fails a test instead of silently disabling what depends on it.
+# The mechanisms without frames were tried and each loses something:
+# * An optimizer built in a sharded or laid-out scope found at its first step (torch's
+#   public global step hook) instead of as it is built: until then it holds the replaced
+#   parameters, so a step that clips ``optimizer.param_groups``' gradients before its
+#   first ``optimizer.step()`` clips nothing (their gradients stay None): a silent wrong
+#   number; and a `Checkpoint` restored before the first step maps its state to the
+#   wrong tensors.
+# * Keeping each parameter's identity (`torch.utils.swap_tensors` of the old parameter
+#   with its shard): a DTensor has slots a plain parameter lacks, which it refuses.
+# * Being told (`strategy.extended.register_optimizer(opt)`): every torch optimizer the
+#   user builds in the scope, as tf.distribute's users build theirs, would need a call
+#   that tf.distribute does not ask for; the library's own optimizers and `compile` could
+#   tell, plain torch optimizers could not.
+# * torch's scaler: an optimizer that scales itself (``_step_supports_amp_scaling``) is
+#   handed ``grad_scale``/``found_inf``, but setting that flag on a user's optimizer is
+#   another private name and changes its arithmetic where the library passes it through.
 
 
 def optimizer_adding_param_group() -> torch.optim.Optimizer | None:
@@ -171,24 +190,27 @@ def optimizer_adding_param_group() -> torch.optim.Optimizer | None:
 
 
 def stepping_grad_scaler() -> torch.amp.GradScaler | None:
-    """The `torch.amp.GradScaler` (or subclass) whose ``step`` calls ``optimizer.step``
-    in this thread (through its ``_maybe_opt_step``), asked from an optimizer step hook:
-    the synchronous handler refuses torch's own scaler (NOTE [refused steps])."""
-    found = _self_in_frames("_maybe_opt_step", torch.amp.GradScaler, frames=8)
+    """The `torch.amp.GradScaler` (or subclass) whose public ``step`` calls
+    ``optimizer.step`` in this thread (directly for an optimizer that handles the scale
+    itself, through ``_maybe_opt_step`` for the others), asked from an optimizer step
+    hook: the synchronous handler refuses torch's own scaler (NOTE [refused steps])."""
+    found = _self_in_frames("step", torch.amp.GradScaler, frames=10)
     return found if isinstance(found, torch.amp.GradScaler) else None
 
 
 def _self_in_frames(method: str, owner: type, frames: int) -> Any:
     """``self`` of the nearest of ``frames`` frames, from the caller's caller up, that
-    runs a method named ``method`` of an ``owner``; None if none does (or its ``self``
-    is something else)."""
+    runs a method named ``method`` of an ``owner`` (a frame of the same name whose
+    ``self`` is something else, a user's ``step`` function, is passed over); None if
+    none does."""
     frame: FrameType | None = sys._getframe(2)
     for _ in range(frames):
         if frame is None:
             return None
         if frame.f_code.co_name == method:
             candidate = frame.f_locals.get("self")
-            return candidate if isinstance(candidate, owner) else None
+            if isinstance(candidate, owner):
+                return candidate
         frame = frame.f_back
     return None
 
@@ -328,7 +350,7 @@ OPTION_ATTRIBUTES: tuple[str, ...] = ("_timeout",)
 #: each, and the tests check that each is found where it runs.
 METHODS_IN_FRAMES: tuple[tuple[str, str], ...] = (
     ("torch.optim.optimizer", "Optimizer.add_param_group"),
-    ("torch.amp.grad_scaler", "GradScaler._maybe_opt_step"),
+    ("torch.amp.grad_scaler", "GradScaler.step"),
 )
 
 #: Private attributes of torch objects the library reads where it uses them (every

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -158,21 +159,38 @@ def test_the_optimizer_adding_a_param_group_is_found_from_a_torch_function_mode(
 
 
 def test_the_torch_grad_scaler_stepping_an_optimizer_is_found_from_its_step_hook() -> None:
-    """`torch.amp.GradScaler.step` calls ``optimizer.step`` through its
-    ``_maybe_opt_step`` (the synchronous handler refuses torch's scaler by it); a plain
-    step finds no scaler."""
-    param = torch.nn.Parameter(torch.ones(2))
-    optimizer = torch.optim.SGD([param], lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
-    found: list[torch.amp.GradScaler | None] = []
-    handle = optimizer.register_step_pre_hook(
-        lambda opt, args, kwargs: found.append(_torch.stepping_grad_scaler())
-    )
-    try:
-        scaler.scale(param.sum()).backward()
-        scaler.step(optimizer)
-        scaler.update()
+    """`torch.amp.GradScaler.step` (its public method) calls ``optimizer.step`` from a
+    few frames up, through ``_maybe_opt_step`` for a plain optimizer and directly for
+    one that handles the scale itself (``_step_supports_amp_scaling``, a fused Adam's);
+    the synchronous handler refuses torch's scaler by it. A plain step finds no scaler,
+    also from a user's function named ``step``."""
+
+    class ScalesItself(torch.optim.Optimizer):
+        _step_supports_amp_scaling = True
+
+        def __init__(self, params: Any, lr: float) -> None:
+            super().__init__(params, {"lr": lr})
+
+        def step(self, closure: Any = None) -> None:  # reads grad_scale/found_inf
+            pass
+
+    def step(optimizer: torch.optim.Optimizer) -> None:  # a user's function of that name
         optimizer.step()
-    finally:
-        handle.remove()
-    assert found == [scaler, None]
+
+    for kind in (torch.optim.SGD, ScalesItself):
+        param = torch.nn.Parameter(torch.ones(2))
+        optimizer = kind([param], lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        found: list[torch.amp.GradScaler | None] = []
+        handle = optimizer.register_step_pre_hook(
+            lambda opt, args, kwargs, found=found: found.append(_torch.stepping_grad_scaler())
+        )
+        try:
+            scaler.scale(param.sum()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.step()
+            step(optimizer)
+        finally:
+            handle.remove()
+        assert found == [scaler, None, None], kind
