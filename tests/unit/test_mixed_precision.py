@@ -159,11 +159,19 @@ def test_explicit_unscale_then_clipping_clips_the_summed_gradient() -> None:
     torch.testing.assert_close(train(ds.MirroredStrategy(["cpu:0", "cpu:1"])), train(None))
 
 
-def test_torch_grad_scaler_is_refused_under_two_replicas() -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused_adam"])
+def test_torch_grad_scaler_is_refused_under_two_replicas(fused: bool) -> None:
+    """Also for an optimizer that takes the scale itself (a fused Adam: torch's scaler
+    then checks each replica's gradient and steps it directly, not through the path
+    that unscales)."""
     strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
     with strategy.scope():
         model = torch.nn.Linear(2, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = (
+            torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+            if fused
+            else torch.optim.SGD(model.parameters(), lr=0.1)
+        )
     scalers = [torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")]  # one per replica
 
     def step_fn() -> None:
