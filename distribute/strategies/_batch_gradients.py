@@ -23,6 +23,17 @@ come after.
 * **Placements.** A gradient DTensor whose placements differ from its parameter's (a
   partial sum) is redistributed to them first, once, so the optimizer's element-wise
   updates do not each redistribute it.
+
+Why by hand and not torch's replication: torch 2.13's ``fully_shard(...,
+dp_mesh_dims=DataParallelMeshDims(replicate="batch"))`` (and the private
+``replicate_with_fsdp`` built on it) wants each parameter as a DTensor on the *full*
+(batch, model) mesh with ``Replicate()`` on the batch axis, and the step's inputs and
+activations then live on that mesh too; this engine's parameters live on the model
+sub-mesh and each batch group runs its own rows as plain local input, so adopting it
+means moving the whole forward onto the full mesh, not swapping the sum. torch 2.9,
+within the supported range (``torch>=2.9``), has no such argument at all. A layout
+that names the batch axis (sharding along it) already goes through FSDP2's own
+reduce-scatter (NOTE [the batch axis in a layout]); only replication is summed here.
 """
 
 from __future__ import annotations
