@@ -1,4 +1,5 @@
-"""`fit`'s ``steps_per_execution`` steps as one XLA execution, under `TPUStrategy`.
+"""``steps_per_execution`` steps of `fit`, `evaluate` and `predict` as one XLA
+execution, under `TPUStrategy`.
 
 # NOTE [steps per execution]
 TPU users set Keras's ``steps_per_execution=N`` so that the device runs N training
@@ -25,6 +26,13 @@ the XLA step, or reads a value, between the N steps:
   N): one more graph, compiled in the first epoch and reused in the next ones.
   A partial last batch under `TPUStrategy` is already padded to the full batch
   (`_data._PadToFull`), so it adds no graph of its own.
+
+``evaluate`` and ``predict`` group their steps the same way (their batch hooks
+every N steps, each step's loss or outputs read after its execution, or at the
+end where no callback reads batch logs), outside `TPUStrategy.one_epoch`: an
+inference call is no training epoch, and its executions warm up as a custom
+loop's steps do for the recompilation warning (a call on data of another length
+has a last execution of another size: a graph of its own).
 
 In SPMD mode the N steps are one program over every device (GSPMD inserts the
 gradients' all-reduce): one execution per N steps. Replica mode cannot fuse steps:
@@ -79,9 +87,13 @@ class StepExecutions:
     Args:
         strategy: the strategy that runs the steps.
         steps_per_execution: Keras's ``steps_per_execution``.
+        epoch: whether the steps are one of ``fit``'s epochs, whose first is the
+            steps' warm-up for the recompilation warning (`TPUStrategy.one_epoch`);
+            ``evaluate`` and ``predict`` pass False: their executions warm up as a
+            custom loop's steps do.
     """
 
-    def __init__(self, strategy: Any, steps_per_execution: int) -> None:
+    def __init__(self, strategy: Any, steps_per_execution: int, epoch: bool = True) -> None:
         self._strategy = strategy
         self._xla = strategy.extended.step_runner is StepRunner.XLA_EXECUTIONS
         #: Steps per execution: ``steps_per_execution`` on XLA, else 1.
@@ -90,7 +102,7 @@ class StepExecutions:
         # On XLA, the epoch is the steps' warm-up for the recompilation warning
         # (NOTE [recompilation] in strategies/_xla_compiles.py).
         self._epoch = contextlib.ExitStack()
-        if self._xla:
+        if self._xla and epoch:
             self._epoch.enter_context(strategy.one_epoch())
         self._steps: list[Step] = []  # the open execution's
         self._unread: list[Step] = []  # of executions ended

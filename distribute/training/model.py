@@ -138,10 +138,11 @@ class Model(torch.nn.Module):
             metrics: names (``"accuracy"``, ``"mae"``, ``"auc"``, ...), `ds.metrics`
                 objects or functions of ``(y_true, y_pred)``.
             loss_weights: weights of the outputs' losses.
-            steps_per_execution: batch callbacks (and the progress bar) run every
-                this many steps; under `TPUStrategy` these steps also run as one XLA
-                execution (one graph, compiled once: NOTE [steps per execution] in
-                `_xla_steps.py`).
+            steps_per_execution: the batch callbacks (and the progress bar) of
+                `fit`, `evaluate` and `predict` run every this many steps (a
+                group's first step begins, its last ends, with that step's logs);
+                under `TPUStrategy` these steps also run as one XLA execution (one
+                graph, compiled once: NOTE [steps per execution] in `_xla_steps.py`).
         """
         if steps_per_execution < 1:
             raise InvalidArgumentError(
@@ -533,14 +534,32 @@ class Model(torch.nn.Module):
         self._reset_metrics()
         hooks.on_test_begin()
         total, count = 0.0, 0
-        for step, batch in enumerate(itertools.islice(data.dataset, steps)):
-            hooks.on_test_batch_begin(step)
-            size = self._step_size_of(data, step, batch)
-            loss = self._sum_loss(self._run_step(self.test_step, batch, size))
-            total, count = total + loss * size, count + size
-            hooks.on_test_batch_end(step, {"loss": total / count})
+        every = self._steps_per_execution
+        # The batch hooks every `every` steps, and only where a callback does
+        # something in them; on XLA the group's steps are one execution, whose
+        # losses are read after it (NOTE [steps per execution]).
+        batch_begin = _batch_hook(hooks, "on_test_batch_begin")
+        batch_end = _batch_hook(hooks, "on_test_batch_end")
+        step = -1
+        with StepExecutions(self._ds_strategy, every, epoch=False) as executions:
+            for step, batch in enumerate(itertools.islice(data.dataset, steps)):
+                if batch_begin is not None and step % every == 0:
+                    batch_begin(step)
+                size = self._step_size_of(data, step, batch)
+                executions.run(size, self._run_step, self.test_step, batch, size)
+                if not executions.full:
+                    continue  # the execution's next step
+                group_end = batch_end is not None and (step + 1) % every == 0
+                for size, logs in executions.finish(wait=group_end):
+                    total, count = total + self._sum_loss(logs) * size, count + size
+                if batch_end is not None and group_end:
+                    batch_end(step, {"loss": total / count})
+            for size, logs in executions.finish():  # the steps not read yet
+                total, count = total + self._sum_loss(logs) * size, count + size
         if count == 0:
             raise InvalidArgumentError("evaluate got no data: the dataset is empty")
+        if batch_end is not None and (step + 1) % every:  # a short last group
+            batch_end(step, {"loss": total / count})
         logs = {"loss": total / count, **self._metric_logs()}
         hooks.on_test_end(logs)
         return logs
@@ -566,13 +585,30 @@ class Model(torch.nn.Module):
         outputs: list[Any] = []
         rows: list[int | None] = []  # each step's examples (a padded batch has fewer)
         strategy = self._ds_strategy
-        with self._inference_mode():
-            for step, batch in enumerate(itertools.islice(data.dataset, steps)):
-                hooks.on_predict_batch_begin(step)
-                per_replica = self._run_step(self.predict_step, batch, None)
+        every = self._steps_per_execution
+        batch_begin = _batch_hook(hooks, "on_predict_batch_begin")
+        batch_end = _batch_hook(hooks, "on_predict_batch_end")
+
+        def gather(steps: list[tuple[int, Any]]) -> None:
+            for _, per_replica in steps:  # on the host, after their execution, on XLA
                 outputs.append(map_structure(lambda t: strategy.gather(t, axis=0), per_replica))
+
+        step = -1
+        with self._inference_mode(), StepExecutions(strategy, every, epoch=False) as executions:
+            for step, batch in enumerate(itertools.islice(data.dataset, steps)):
+                if batch_begin is not None and step % every == 0:
+                    batch_begin(step)
                 rows.append(_known_size(data, step))
-                hooks.on_predict_batch_end(step, {})
+                executions.run(0, self._run_step, self.predict_step, batch, None)  # no loss
+                if not executions.full:
+                    continue  # the execution's next step
+                group_end = batch_end is not None and (step + 1) % every == 0
+                gather(executions.finish(wait=group_end))
+                if batch_end is not None and group_end:
+                    batch_end(step, {})
+            gather(executions.finish())  # the steps not read yet
+        if batch_end is not None and step >= 0 and (step + 1) % every:  # a short last group
+            batch_end(step, {})
         hooks.on_predict_end()
         if not outputs:
             raise InvalidArgumentError("predict got no data")

@@ -607,3 +607,67 @@ def test_a_mean_metric_is_named_mean_by_default_as_in_keras() -> None:
     assert mean.name == "mean"
     ds.get_strategy().run(mean.update_state, args=(torch.tensor([2.0, 4.0]),))
     assert mean.result() == 3.0
+
+
+class _InferenceBatchCalls(ds.callbacks.Callback):
+    """evaluate's and predict's batch hooks, and the loss each test batch end sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+        self.losses: list[float] = []
+
+    def on_test_batch_begin(self, batch: int, logs: Any = None) -> None:
+        self.calls.append(("test_begin", batch))
+
+    def on_test_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.calls.append(("test_end", batch))
+        self.losses.append(float(logs["loss"]))
+
+    def on_predict_batch_begin(self, batch: int, logs: Any = None) -> None:
+        self.calls.append(("predict_begin", batch))
+
+    def on_predict_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.calls.append(("predict_end", batch))
+
+
+@pytest.mark.parametrize("name", ["default", "mirrored_4"])
+def test_evaluate_and_predict_call_batch_hooks_every_steps_per_execution_steps(
+    name: str,
+) -> None:
+    """Keras's rule, as fit's: begin at a group's first step, end at its last (the
+    last group short) with the logs of that step; the results as with one step."""
+    x, y = _data(80)  # 10 steps of 8
+    runs = {}
+    for every in (1, 4):
+        model = _built(STRATEGY_FACTORIES[name])
+        assert model.optimizer is not None
+        model.compile(
+            model.optimizer, torch.nn.CrossEntropyLoss(), ["accuracy"], steps_per_execution=every
+        )
+        calls = _InferenceBatchCalls()
+        result = model.evaluate(x, y, batch_size=8, verbose=0, callbacks=[calls])
+        predictions = model.predict(x, batch_size=8, verbose=0, callbacks=[calls])
+        runs[every] = (calls, result, predictions)
+    calls, result, predictions = runs[4]
+    groups = [("begin", 0), ("end", 3), ("begin", 4), ("end", 7), ("begin", 8), ("end", 9)]
+    assert calls.calls == [
+        (f"{kind}_{hook}", step) for kind in ("test", "predict") for hook, step in groups
+    ]
+    one_step, one_result, one_predictions = runs[1]
+    np.testing.assert_allclose(calls.losses, [one_step.losses[i] for i in (3, 7, 9)], rtol=1e-6)
+    np.testing.assert_allclose(result, one_result, rtol=1e-6)
+    np.testing.assert_allclose(predictions, one_predictions, rtol=1e-6)
+
+
+def test_the_bar_counts_every_step_of_evaluate_and_predict_with_steps_per_execution(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    x, y = _data(80)
+    model = _built(STRATEGY_FACTORIES["one_device"])
+    assert model.optimizer is not None
+    model.compile(model.optimizer, torch.nn.CrossEntropyLoss(), ["accuracy"], steps_per_execution=4)
+    model.evaluate(x, y, batch_size=8, verbose=1)
+    model.predict(x, batch_size=8, verbose=1)
+    err = capsys.readouterr().err
+    assert "evaluate: 100%" in err and "predict: 100%" in err and "10/10" in err, err
