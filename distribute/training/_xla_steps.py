@@ -91,11 +91,17 @@ class StepExecutions:
             steps' warm-up for the recompilation warning (`TPUStrategy.one_epoch`);
             ``evaluate`` and ``predict`` pass False: their executions warm up as a
             custom loop's steps do.
+        defer: whether, on other strategies too, `finish` without ``wait`` may
+            leave logs unread (the caller's steps return detached values, so that
+            no step's graph stays alive, and need no collective per step).
     """
 
-    def __init__(self, strategy: Any, steps_per_execution: int, epoch: bool = True) -> None:
+    def __init__(
+        self, strategy: Any, steps_per_execution: int, epoch: bool = True, defer: bool = False
+    ) -> None:
         self._strategy = strategy
         self._xla = strategy.extended.step_runner is StepRunner.XLA_EXECUTIONS
+        self._defer = self._xla or defer
         #: Steps per execution: ``steps_per_execution`` on XLA, else 1.
         self.size = steps_per_execution if self._xla else 1
         self._open: contextlib.ExitStack | None = None
@@ -129,14 +135,15 @@ class StepExecutions:
     def finish(self, wait: bool = True) -> list[Step]:
         """Ends the current execution (the devices start it) and returns, in order, the
         steps whose logs are read now, their XLA tensors copied to the host in one
-        transfer per device: with ``wait``, every step so far; without, on XLA,
-        none until `MAX_UNREAD` steps wait (a read waits for the execution running
-        on the devices, so reading each execution's logs would keep the host from
-        recording the next steps meanwhile)."""
+        transfer per device: with ``wait``, every step so far; without, on XLA
+        (or with ``defer``), none until `MAX_UNREAD` steps wait (a read waits for
+        the execution running on the devices, so reading each execution's logs
+        would keep the host from recording the next steps meanwhile; elsewhere the
+        reads of many steps cost the host less in one batch)."""
         self._close()
         self._unread += self._steps
         self._steps = []
-        if self._xla and not wait and len(self._unread) < MAX_UNREAD:
+        if self._defer and not wait and len(self._unread) < MAX_UNREAD:
             return []
         steps, self._unread = self._unread, []
         return _on_host(steps) if self._xla else steps

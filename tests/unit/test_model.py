@@ -671,3 +671,31 @@ def test_the_bar_counts_every_step_of_evaluate_and_predict_with_steps_per_execut
     model.predict(x, batch_size=8, verbose=1)
     err = capsys.readouterr().err
     assert "evaluate: 100%" in err and "predict: 100%" in err and "10/10" in err, err
+
+
+@pytest.mark.parametrize("name", ["default", "mirrored_4"])
+def test_losses_read_in_one_batch_give_the_history_of_losses_read_step_by_step(
+    name: str,
+) -> None:
+    """The built-in steps' losses wait and are read in one stacked reduce (issue 40);
+    an overridden step's are read after each step (its loss may hold a graph): the
+    same epoch losses and evaluate loss, to the bit."""
+
+    class Overridden(ds.Model):
+        def train_step(self, data: Any) -> dict[str, torch.Tensor]:
+            return super().train_step(data)
+
+        def test_step(self, data: Any) -> dict[str, torch.Tensor]:
+            return super().test_step(data)
+
+    x, y = _data(84)  # 10 steps of 8 and a partial one of 4
+    results = []
+    for kind in (ds.Model, Overridden):
+        strategy = STRATEGY_FACTORIES[name]()
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = kind(_classifier())
+        model.compile("sgd", torch.nn.CrossEntropyLoss(), ["accuracy"])
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        results.append((history.history, model.evaluate(x, y, batch_size=8, verbose=0)))
+    assert results[0] == results[1]
