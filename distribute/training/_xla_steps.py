@@ -140,7 +140,8 @@ class StepExecutions:
         the execution running on the devices, so reading each execution's logs
         would keep the host from recording the next steps meanwhile; elsewhere the
         reads of many steps cost the host less in one batch)."""
-        self._close()
+        if self._open is not None:
+            self._close()
         self._unread += self._steps
         self._steps = []
         if self._defer and not wait and len(self._unread) < MAX_UNREAD:
