@@ -547,3 +547,31 @@ def counted_inference_run(strategy: ds.Strategy, steps_per_execution: int) -> di
     """`inference_run` under `strategy` with a width no other test compiles (so the
     first call's compiles are its own), once per process for each case."""
     return inference_run(strategy, steps_per_execution, hidden=26)
+
+
+def validated_fit_history(strategy: ds.Strategy, steps_per_execution: int) -> dict[str, Any]:
+    """`fit` for 4 epochs with validation data of 200 rows (7 steps: a short last
+    execution with steps_per_execution=4), a width no other test compiles."""
+    x, y = data(FIT_EXAMPLES)
+    vx, vy = data(200, seed=5)
+    reference = mlp(hidden=30)
+    with strategy.scope():
+        net = mlp(hidden=30)
+        net.load_state_dict(reference.state_dict())
+        model = ds.Model(net)
+    model.compile(
+        optimizer="sgd",
+        loss=torch.nn.CrossEntropyLoss(),
+        metrics=["accuracy"],
+        steps_per_execution=steps_per_execution,
+    )
+    torch.manual_seed(1)  # the shuffling seed
+    history = model.fit(
+        x.numpy(),
+        y.numpy(),
+        batch_size=FIT_BATCH,
+        epochs=4,
+        verbose=0,
+        validation_data=(vx.numpy(), vy.numpy()),
+    )
+    return dict(history.history)

@@ -41,8 +41,10 @@ from _common import (
     inference_run,
     initial_weights,
     loader,
+    recompilation_warnings,
     train,
     train_in_executions,
+    validated_fit_history,
     written_once,
 )
 
@@ -464,3 +466,17 @@ def test_evaluate_and_predict_call_batch_hooks_every_steps_per_execution_steps(
     assert got.calls == want.calls == INFERENCE_CALLS_EVERY_4 * 2
     np.testing.assert_allclose(got.losses, want.losses, atol=1e-5, rtol=0)
     assert [runs for kind in ("evaluate", "predict") for _, runs in counts[kind]] == [3] * 4
+
+
+def test_fit_s_validation_in_executions_matches_the_default_strategy_unwarned(
+    strategy: ds.TPUStrategy,
+) -> None:
+    """fit's validation runs evaluate's executions every epoch: the same val_loss and
+    val_accuracy as the default strategy, and no recompilation warning."""
+    got: dict[str, Any] = {}
+    warned = recompilation_warnings(lambda: got.update(validated_fit_history(strategy, 4)))
+    assert warned == []
+    want = validated_fit_history(ds.get_strategy(), 4)
+    assert got["val_accuracy"] == want["val_accuracy"]
+    np.testing.assert_allclose(got["val_loss"], want["val_loss"], atol=1e-5, rtol=0)
+    assert_same_history(got, want)
