@@ -22,6 +22,12 @@ the XLA step, or reads a value, between the N steps:
   devices are running (measured in SPMD mode: torch_xla takes the device's lock),
   so a read per execution kept the host from recording the next execution while
   the devices ran the last one (``fit`` took 1.3x the hand-written loop's time).
+  So the host already prepares execution N+1 (draws its batches, sends them to the
+  devices, records its steps) while the devices run N: ending N+1 then waits for
+  N (torch_xla's device lock). Measured in ``benchmarks/bench_tpu_fit.py``'s SPMD
+  epoch with N = 8 on the CPU backend: the first mark of an epoch, on idle devices,
+  took 0.7 ms, the next ones 6-11 ms of waiting, so the devices bound the epoch
+  and drawing batches further ahead would hide nothing there.
 * The last execution of an epoch may hold fewer steps (the epoch's steps modulo
   N): one more graph, compiled in the first epoch and reused in the next ones.
   A partial last batch under `TPUStrategy` is already padded to the full batch
