@@ -715,6 +715,8 @@ def _wants_batch_logs(hooks: CallbackList) -> bool:
                 return True
         elif type(callback).on_train_batch_end is not Callback.on_train_batch_end:
             return True
+        elif "on_train_batch_end" in getattr(callback, "__dict__", {}):  # set on the object
+            return True
     return False
 
 

@@ -699,3 +699,24 @@ def test_losses_read_in_one_batch_give_the_history_of_losses_read_step_by_step(
         history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
         results.append((history.history, model.evaluate(x, y, batch_size=8, verbose=0)))
     assert results[0] == results[1]
+
+
+def test_a_batch_hook_set_on_the_callback_object_gets_the_logs_a_class_s_hook_gets() -> None:
+    """`fit` reads batch logs for a hook assigned to a callback instance as for one
+    defined in its class: the running loss and metrics, not empty logs."""
+    seen: dict[str, list[dict[str, float]]] = {"object": [], "class": []}
+
+    class ClassHook(ds.callbacks.Callback):
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            seen["class"].append(dict(logs or {}))
+
+    on_object = ds.callbacks.Callback()
+    on_object.on_train_batch_end = lambda batch, logs=None: seen["object"].append(  # type: ignore[method-assign]
+        dict(logs or {})
+    )
+    x, y = _data(40)
+    for callback in (on_object, ClassHook()):
+        model = _built(STRATEGY_FACTORIES["default"])
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+    assert len(seen["object"]) == 5 and seen["object"] == seen["class"]
+    assert set(seen["object"][-1]) == {"loss", "accuracy"}
