@@ -1,4 +1,5 @@
-"""`fit`'s ``steps_per_execution`` steps as one XLA execution, under `TPUStrategy`.
+"""``steps_per_execution`` steps of `fit`, `evaluate` and `predict` as one XLA
+execution, under `TPUStrategy`.
 
 # NOTE [steps per execution]
 TPU users set Keras's ``steps_per_execution=N`` so that the device runs N training
@@ -21,10 +22,23 @@ the XLA step, or reads a value, between the N steps:
   devices are running (measured in SPMD mode: torch_xla takes the device's lock),
   so a read per execution kept the host from recording the next execution while
   the devices ran the last one (``fit`` took 1.3x the hand-written loop's time).
+  So the host already prepares execution N+1 (draws its batches, sends them to the
+  devices, records its steps) while the devices run N: ending N+1 then waits for
+  N (torch_xla's device lock). Measured in ``benchmarks/bench_tpu_fit.py``'s SPMD
+  epoch with N = 8 on the CPU backend: the first mark of an epoch, on idle devices,
+  took 0.7 ms, the next ones 6-11 ms of waiting, so the devices bound the epoch
+  and drawing batches further ahead would hide nothing there.
 * The last execution of an epoch may hold fewer steps (the epoch's steps modulo
   N): one more graph, compiled in the first epoch and reused in the next ones.
   A partial last batch under `TPUStrategy` is already padded to the full batch
   (`_data._PadToFull`), so it adds no graph of its own.
+
+``evaluate`` and ``predict`` group their steps the same way (their batch hooks
+every N steps, each step's loss or outputs read after its execution, or at the
+end where no callback reads batch logs), outside `TPUStrategy.one_epoch`: an
+inference call is no training epoch, and its executions warm up as a custom
+loop's steps do for the recompilation warning (a call on data of another length
+has a last execution of another size: a graph of its own).
 
 In SPMD mode the N steps are one program over every device (GSPMD inserts the
 gradients' all-reduce): one execution per N steps. Replica mode cannot fuse steps:
@@ -79,18 +93,28 @@ class StepExecutions:
     Args:
         strategy: the strategy that runs the steps.
         steps_per_execution: Keras's ``steps_per_execution``.
+        epoch: whether the steps are one of ``fit``'s epochs, whose first is the
+            steps' warm-up for the recompilation warning (`TPUStrategy.one_epoch`);
+            ``evaluate`` and ``predict`` pass False: their executions warm up as a
+            custom loop's steps do.
+        defer: whether, on other strategies too, `finish` without ``wait`` may
+            leave logs unread (the caller's steps return detached values, so that
+            no step's graph stays alive, and need no collective per step).
     """
 
-    def __init__(self, strategy: Any, steps_per_execution: int) -> None:
+    def __init__(
+        self, strategy: Any, steps_per_execution: int, epoch: bool = True, defer: bool = False
+    ) -> None:
         self._strategy = strategy
         self._xla = strategy.extended.step_runner is StepRunner.XLA_EXECUTIONS
+        self._defer = self._xla or defer
         #: Steps per execution: ``steps_per_execution`` on XLA, else 1.
         self.size = steps_per_execution if self._xla else 1
         self._open: contextlib.ExitStack | None = None
         # On XLA, the epoch is the steps' warm-up for the recompilation warning
         # (NOTE [recompilation] in strategies/_xla_compiles.py).
         self._epoch = contextlib.ExitStack()
-        if self._xla:
+        if self._xla and epoch:
             self._epoch.enter_context(strategy.one_epoch())
         self._steps: list[Step] = []  # the open execution's
         self._unread: list[Step] = []  # of executions ended
@@ -117,14 +141,16 @@ class StepExecutions:
     def finish(self, wait: bool = True) -> list[Step]:
         """Ends the current execution (the devices start it) and returns, in order, the
         steps whose logs are read now, their XLA tensors copied to the host in one
-        transfer per device: with ``wait``, every step so far; without, on XLA,
-        none until `MAX_UNREAD` steps wait (a read waits for the execution running
-        on the devices, so reading each execution's logs would keep the host from
-        recording the next steps meanwhile)."""
-        self._close()
+        transfer per device: with ``wait``, every step so far; without, on XLA
+        (or with ``defer``), none until `MAX_UNREAD` steps wait (a read waits for
+        the execution running on the devices, so reading each execution's logs
+        would keep the host from recording the next steps meanwhile; elsewhere the
+        reads of many steps cost the host less in one batch)."""
+        if self._open is not None:
+            self._close()
         self._unread += self._steps
         self._steps = []
-        if self._xla and not wait and len(self._unread) < MAX_UNREAD:
+        if self._defer and not wait and len(self._unread) < MAX_UNREAD:
             return []
         steps, self._unread = self._unread, []
         return _on_host(steps) if self._xla else steps

@@ -54,7 +54,7 @@ from distribute.training._data import Data, adapt, local_batch_size, split_array
 from distribute.training._progress import ProgressBar
 from distribute.training._xla_steps import StepExecutions
 from distribute.training.callbacks import Callback, CallbackList, History
-from distribute.values import flatten, map_structure
+from distribute.values import PerReplica, flatten, map_structure
 
 if TYPE_CHECKING:
     from distribute.collectives.base import CrossWorker
@@ -138,10 +138,11 @@ class Model(torch.nn.Module):
             metrics: names (``"accuracy"``, ``"mae"``, ``"auc"``, ...), `ds.metrics`
                 objects or functions of ``(y_true, y_pred)``.
             loss_weights: weights of the outputs' losses.
-            steps_per_execution: batch callbacks (and the progress bar) run every
-                this many steps; under `TPUStrategy` these steps also run as one XLA
-                execution (one graph, compiled once: NOTE [steps per execution] in
-                `_xla_steps.py`).
+            steps_per_execution: the batch callbacks (and the progress bar) of
+                `fit`, `evaluate` and `predict` run every this many steps (a
+                group's first step begins, its last ends, with that step's logs);
+                under `TPUStrategy` these steps also run as one XLA execution (one
+                graph, compiled once: NOTE [steps per execution] in `_xla_steps.py`).
         """
         if steps_per_execution < 1:
             raise InvalidArgumentError(
@@ -177,6 +178,11 @@ class Model(torch.nn.Module):
         if self._loss is None:
             raise ContextError("compile the model with a loss, or override compute_loss")
         size = self._global_batch_size(y_pred)
+        if not isinstance(self._loss, (dict, list)):  # one loss (weight 1): no sum to make
+            per_example = self._loss(y, y_pred)
+            return compute_average_loss(
+                per_example, sample_weight=sample_weight, global_batch_size=size
+            )
         if isinstance(self._loss, dict):
             keys = list(self._loss)
             parts = [(self._loss[k], y[k], y_pred[k]) for k in keys]
@@ -265,9 +271,16 @@ class Model(torch.nn.Module):
         counted = local if strategy.extended.counts_in_worker_sums else 0  # each replica once
         return int(cross.all_reduce_int(counted, "global batch size"))  # unknown up front
 
-    def _sum_loss(self, logs: Any) -> float:
-        loss = logs["loss"] if isinstance(logs, dict) else logs
-        return float(self._ds_strategy.reduce("sum", loss, axis=None))
+    def _sum_losses(self, steps: list[tuple[int, Any]]) -> list[float]:
+        """Each step's loss summed over the replicas: the steps' scalar losses stacked
+        (per replica) into one ``reduce``, which adds them up as it would one by one."""
+        strategy = self._ds_strategy
+        losses = [logs["loss"] if isinstance(logs, dict) else logs for _, logs in steps]
+        stacked = _stacked(losses)
+        if stacked is None:  # not scalar tensors alike: one reduce each
+            return [float(strategy.reduce(ReduceOp.SUM, loss, axis=None)) for loss in losses]
+        sums: list[float] = strategy.reduce(ReduceOp.SUM, stacked, axis=None).tolist()
+        return sums
 
     def _running_metrics(self) -> dict[str, float]:
         """The metrics so far over this worker's replicas (no communication): exact
@@ -381,7 +394,12 @@ class Model(torch.nn.Module):
     ) -> tuple[float, int]:
         # steps_per_execution steps per XLA execution where the strategy records them
         # into one graph, their logs read after it (NOTE [steps per execution]).
-        with StepExecutions(self._ds_strategy, self._steps_per_execution) as executions:
+        # Elsewhere too, with one worker, the built-in step's (detached) losses wait
+        # to be read in one batch where nobody reads batch logs.
+        defer = self._cross_worker() is None and _own_step(self, "train_step")
+        with StepExecutions(
+            self._ds_strategy, self._steps_per_execution, defer=defer
+        ) as executions:
             return self._train_steps(train, hooks, steps_per_epoch, executions)
 
     def _train_steps(
@@ -406,12 +424,21 @@ class Model(torch.nn.Module):
 
         def settle(index: int, wait: bool) -> tuple[bool, tuple[int, dict[str, float]]]:
             """Ends the execution (``index``: its last step) and reads the logs of its
-            steps (without ``wait``, on XLA, none yet: nobody reads batch logs, and
-            a read would wait for the devices): whether to stop, and the batch logs."""
+            steps (without ``wait``, on XLA or with one worker and the built-in step,
+            none yet: nobody reads batch logs, a read on XLA would wait for the
+            devices, and elsewhere the reads cost less in one batch at the end):
+            whether to stop, and the batch logs."""
             nonlocal total, count, reduced
             steps = executions.finish(wait)
             stop = False
             metrics: dict[str, float] = {}
+            if one_worker:  # no collective: the steps' losses in one reduce
+                if steps:
+                    for (size, _), loss in zip(steps, self._sum_losses(steps)):
+                        total, count = total + loss * size, count + size
+                    if running:
+                        metrics = self._running_metrics()
+                return stop, (index, {"loss": total / count, **metrics} if count else {})
             for k, (size, logs) in enumerate(steps):
                 last = k == len(steps) - 1  # the metrics so far: read once, after it
                 loss, stop, metrics = self._reduce_step(logs, running and last, reduced == 0)
@@ -462,15 +489,13 @@ class Model(torch.nn.Module):
     def _reduce_step(
         self, logs: Any, running: bool, first: bool
     ) -> tuple[float, bool, dict[str, float]]:
-        """The step's loss over every replica, whether any worker asked to stop (as
-        of its previous step: so that all stop after the same step), and the running
-        metrics, in ONE collective across workers (the loss's)."""
+        """Several workers: the step's loss over every replica, whether any worker
+        asked to stop (as of its previous step: so that all stop after the same step),
+        and the running metrics, in ONE collective across workers (the loss's)."""
         loss = logs["loss"] if isinstance(logs, dict) else logs
         strategy = self._ds_strategy
         cross = self._cross_worker()
-        if cross is None:
-            value = float(strategy.reduce("sum", loss, axis=None))
-            return value, False, (self._running_metrics() if running else {})
+        assert cross is not None  # one worker: `_sum_losses`
         # The loss and metric totals count each replica once (a worker whose
         # replica another worker adds adds 0); the stop flag is every worker's.
         counts = 1.0 if strategy.extended.counts_in_worker_sums else 0.0
@@ -533,14 +558,38 @@ class Model(torch.nn.Module):
         self._reset_metrics()
         hooks.on_test_begin()
         total, count = 0.0, 0
-        for step, batch in enumerate(itertools.islice(data.dataset, steps)):
-            hooks.on_test_batch_begin(step)
-            size = self._step_size_of(data, step, batch)
-            loss = self._sum_loss(self._run_step(self.test_step, batch, size))
-            total, count = total + loss * size, count + size
-            hooks.on_test_batch_end(step, {"loss": total / count})
+        every = self._steps_per_execution
+        # The batch hooks every `every` steps, and only where a callback does
+        # something in them; on XLA the group's steps are one execution, whose
+        # losses are read after it (NOTE [steps per execution]).
+        batch_begin = _batch_hook(hooks, "on_test_batch_begin")
+        batch_end = _batch_hook(hooks, "on_test_batch_end")
+        step = -1
+        defer = self._cross_worker() is None and _own_step(self, "test_step")
+        with StepExecutions(self._ds_strategy, every, epoch=False, defer=defer) as executions:
+
+            def read(wait: bool) -> None:
+                nonlocal total, count
+                done = executions.finish(wait)
+                for (size, _), loss in zip(done, self._sum_losses(done) if done else ()):
+                    total, count = total + loss * size, count + size
+
+            for step, batch in enumerate(itertools.islice(data.dataset, steps)):
+                if batch_begin is not None and step % every == 0:
+                    batch_begin(step)
+                size = self._step_size_of(data, step, batch)
+                executions.run(size, self._run_step, self.test_step, batch, size)
+                if not executions.full:
+                    continue  # the execution's next step
+                group_end = batch_end is not None and (step + 1) % every == 0
+                read(wait=group_end)
+                if batch_end is not None and group_end:
+                    batch_end(step, {"loss": total / count})
+            read(wait=True)  # the steps not read yet
         if count == 0:
             raise InvalidArgumentError("evaluate got no data: the dataset is empty")
+        if batch_end is not None and (step + 1) % every:  # a short last group
+            batch_end(step, {"loss": total / count})
         logs = {"loss": total / count, **self._metric_logs()}
         hooks.on_test_end(logs)
         return logs
@@ -566,13 +615,30 @@ class Model(torch.nn.Module):
         outputs: list[Any] = []
         rows: list[int | None] = []  # each step's examples (a padded batch has fewer)
         strategy = self._ds_strategy
-        with self._inference_mode():
-            for step, batch in enumerate(itertools.islice(data.dataset, steps)):
-                hooks.on_predict_batch_begin(step)
-                per_replica = self._run_step(self.predict_step, batch, None)
+        every = self._steps_per_execution
+        batch_begin = _batch_hook(hooks, "on_predict_batch_begin")
+        batch_end = _batch_hook(hooks, "on_predict_batch_end")
+
+        def gather(steps: list[tuple[int, Any]]) -> None:
+            for _, per_replica in steps:  # on the host, after their execution, on XLA
                 outputs.append(map_structure(lambda t: strategy.gather(t, axis=0), per_replica))
+
+        step = -1
+        with self._inference_mode(), StepExecutions(strategy, every, epoch=False) as executions:
+            for step, batch in enumerate(itertools.islice(data.dataset, steps)):
+                if batch_begin is not None and step % every == 0:
+                    batch_begin(step)
                 rows.append(_known_size(data, step))
-                hooks.on_predict_batch_end(step, {})
+                executions.run(0, self._run_step, self.predict_step, batch, None)  # no loss
+                if not executions.full:
+                    continue  # the execution's next step
+                group_end = batch_end is not None and (step + 1) % every == 0
+                gather(executions.finish(wait=group_end))
+                if batch_end is not None and group_end:
+                    batch_end(step, {})
+            gather(executions.finish())  # the steps not read yet
+        if batch_end is not None and step >= 0 and (step + 1) % every:  # a short last group
+            batch_end(step, {})
         hooks.on_predict_end()
         if not outputs:
             raise InvalidArgumentError("predict got no data")
@@ -649,7 +715,33 @@ def _wants_batch_logs(hooks: CallbackList) -> bool:
                 return True
         elif type(callback).on_train_batch_end is not Callback.on_train_batch_end:
             return True
+        elif "on_train_batch_end" in getattr(callback, "__dict__", {}):  # set on the object
+            return True
     return False
+
+
+def _stacked(losses: list[Any]) -> Any:
+    """The scalar tensors ``losses`` as one tensor, or their `PerReplica`s as one
+    `PerReplica` of each replica's stacked losses; None for anything else."""
+    # Sets, not all(...) over generators: a check of a few calls, not one per loss.
+    kinds = {type(loss) for loss in losses}
+    if kinds == {torch.Tensor}:
+        parts = [losses]
+    elif kinds == {PerReplica}:
+        parts = [list(values) for values in zip(*[loss.values for loss in losses])]
+    else:
+        return None
+    flat = [t for part in parts for t in part]
+    if {type(t) for t in flat} != {torch.Tensor} or {t.dim() for t in flat} != {0}:
+        return None
+    stacks = [torch.stack(part) for part in parts]
+    return stacks[0] if kinds == {torch.Tensor} else PerReplica(tuple(stacks))
+
+
+def _own_step(model: Model, name: str) -> bool:
+    """Whether ``model``'s step ``name`` is `Model`'s own, which returns detached
+    losses (a user's may return a loss whose graph a deferred read would keep)."""
+    return bool(getattr(type(model), name) is getattr(Model, name))
 
 
 def _batch_hook(hooks: CallbackList, name: str) -> Callable[..., None] | None:

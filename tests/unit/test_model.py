@@ -607,3 +607,116 @@ def test_a_mean_metric_is_named_mean_by_default_as_in_keras() -> None:
     assert mean.name == "mean"
     ds.get_strategy().run(mean.update_state, args=(torch.tensor([2.0, 4.0]),))
     assert mean.result() == 3.0
+
+
+class _InferenceBatchCalls(ds.callbacks.Callback):
+    """evaluate's and predict's batch hooks, and the loss each test batch end sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+        self.losses: list[float] = []
+
+    def on_test_batch_begin(self, batch: int, logs: Any = None) -> None:
+        self.calls.append(("test_begin", batch))
+
+    def on_test_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.calls.append(("test_end", batch))
+        self.losses.append(float(logs["loss"]))
+
+    def on_predict_batch_begin(self, batch: int, logs: Any = None) -> None:
+        self.calls.append(("predict_begin", batch))
+
+    def on_predict_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.calls.append(("predict_end", batch))
+
+
+@pytest.mark.parametrize("name", ["default", "mirrored_4"])
+def test_evaluate_and_predict_call_batch_hooks_every_steps_per_execution_steps(
+    name: str,
+) -> None:
+    """Keras's rule, as fit's: begin at a group's first step, end at its last (the
+    last group short) with the logs of that step; the results as with one step."""
+    x, y = _data(80)  # 10 steps of 8
+    runs = {}
+    for every in (1, 4):
+        model = _built(STRATEGY_FACTORIES[name])
+        assert model.optimizer is not None
+        model.compile(
+            model.optimizer, torch.nn.CrossEntropyLoss(), ["accuracy"], steps_per_execution=every
+        )
+        calls = _InferenceBatchCalls()
+        result = model.evaluate(x, y, batch_size=8, verbose=0, callbacks=[calls])
+        predictions = model.predict(x, batch_size=8, verbose=0, callbacks=[calls])
+        runs[every] = (calls, result, predictions)
+    calls, result, predictions = runs[4]
+    groups = [("begin", 0), ("end", 3), ("begin", 4), ("end", 7), ("begin", 8), ("end", 9)]
+    assert calls.calls == [
+        (f"{kind}_{hook}", step) for kind in ("test", "predict") for hook, step in groups
+    ]
+    one_step, one_result, one_predictions = runs[1]
+    np.testing.assert_allclose(calls.losses, [one_step.losses[i] for i in (3, 7, 9)], rtol=1e-6)
+    np.testing.assert_allclose(result, one_result, rtol=1e-6)
+    np.testing.assert_allclose(predictions, one_predictions, rtol=1e-6)
+
+
+def test_the_bar_counts_every_step_of_evaluate_and_predict_with_steps_per_execution(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    x, y = _data(80)
+    model = _built(STRATEGY_FACTORIES["one_device"])
+    assert model.optimizer is not None
+    model.compile(model.optimizer, torch.nn.CrossEntropyLoss(), ["accuracy"], steps_per_execution=4)
+    model.evaluate(x, y, batch_size=8, verbose=1)
+    model.predict(x, batch_size=8, verbose=1)
+    err = capsys.readouterr().err
+    assert "evaluate: 100%" in err and "predict: 100%" in err and "10/10" in err, err
+
+
+@pytest.mark.parametrize("name", ["default", "mirrored_4"])
+def test_losses_read_in_one_batch_give_the_history_of_losses_read_step_by_step(
+    name: str,
+) -> None:
+    """The built-in steps' losses wait and are read in one stacked reduce (issue 40);
+    an overridden step's are read after each step (its loss may hold a graph): the
+    same epoch losses and evaluate loss, to the bit."""
+
+    class Overridden(ds.Model):
+        def train_step(self, data: Any) -> dict[str, torch.Tensor]:
+            return super().train_step(data)
+
+        def test_step(self, data: Any) -> dict[str, torch.Tensor]:
+            return super().test_step(data)
+
+    x, y = _data(84)  # 10 steps of 8 and a partial one of 4
+    results = []
+    for kind in (ds.Model, Overridden):
+        strategy = STRATEGY_FACTORIES[name]()
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = kind(_classifier())
+        model.compile("sgd", torch.nn.CrossEntropyLoss(), ["accuracy"])
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        results.append((history.history, model.evaluate(x, y, batch_size=8, verbose=0)))
+    assert results[0] == results[1]
+
+
+def test_a_batch_hook_set_on_the_callback_object_gets_the_logs_a_class_s_hook_gets() -> None:
+    """`fit` reads batch logs for a hook assigned to a callback instance as for one
+    defined in its class: the running loss and metrics, not empty logs."""
+    seen: dict[str, list[dict[str, float]]] = {"object": [], "class": []}
+
+    class ClassHook(ds.callbacks.Callback):
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            seen["class"].append(dict(logs or {}))
+
+    on_object = ds.callbacks.Callback()
+    on_object.on_train_batch_end = lambda batch, logs=None: seen["object"].append(  # type: ignore[method-assign]
+        dict(logs or {})
+    )
+    x, y = _data(40)
+    for callback in (on_object, ClassHook()):
+        model = _built(STRATEGY_FACTORIES["default"])
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+    assert len(seen["object"]) == 5 and seen["object"] == seen["class"]
+    assert set(seen["object"][-1]) == {"loss", "accuracy"}

@@ -458,3 +458,120 @@ def check_clean_runs_not_warned(strategy: ds.Strategy) -> None:
     for every in (1, 4):
         run = functools.partial(fit_run, strategy, steps_per_execution=every)
         assert recompilation_warnings(run) == []
+
+
+# -- evaluate and predict in executions of steps_per_execution (issue #40) -----------------
+
+
+class InferenceBatchCalls(ds.callbacks.Callback):
+    """evaluate's and predict's batch hooks, and the loss each test batch end sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+        self.losses: list[float] = []
+
+    def on_test_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self.calls.append(("test_begin", batch))
+
+    def on_test_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self.calls.append(("test_end", batch))
+        self.losses.append(float((logs or {})["loss"]))
+
+    def on_predict_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self.calls.append(("predict_begin", batch))
+
+    def on_predict_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self.calls.append(("predict_end", batch))
+
+
+#: evaluate's and predict's batch hooks over FIT_STEPS (10) steps with
+#: steps_per_execution=4, as fit's (BATCH_CALLS_EVERY_4).
+INFERENCE_CALLS_EVERY_4 = [
+    (f"{kind}_{hook}", step) for kind in ("test", "predict") for hook, step in BATCH_CALLS_EVERY_4
+]
+
+
+def inference_run(
+    strategy: ds.Strategy,
+    steps_per_execution: int,
+    callback: ds.callbacks.Callback | None = None,
+    hidden: int = 32,
+) -> dict[str, Any]:
+    """A model built in `strategy`'s scope from fixed weights, compiled with accuracy
+    and ``steps_per_execution``, evaluated then asked to predict twice on FIT_EXAMPLES
+    (10 steps, a padded last batch): the second calls' results, and each call's
+    graphs compiled and XLA executions (XLA), as ``{"evaluate": [(compiles,
+    executions), ...], "predict": [...]}`` under "counts"."""
+    x, y = data(FIT_EXAMPLES)
+    reference = mlp(hidden=hidden)
+    with strategy.scope():
+        net = mlp(hidden=hidden)
+        net.load_state_dict(reference.state_dict())
+        model = ds.Model(net)
+    model.compile(
+        optimizer="sgd",
+        loss=torch.nn.CrossEntropyLoss(),
+        metrics=["accuracy"],
+        steps_per_execution=steps_per_execution,
+    )
+    callbacks = [callback] if callback is not None else []
+    xla = strategy.extended.step_runner.name == "XLA_EXECUTIONS"
+    counts: dict[str, list[tuple[int, int]]] = {"evaluate": [], "predict": []}
+    result: dict[str, Any] = {"counts": counts}
+    for _ in range(2):
+        start = _xla_counters() if xla else (0, 0)
+        result["evaluate"] = model.evaluate(
+            x.numpy(), y.numpy(), batch_size=FIT_BATCH, verbose=0, callbacks=callbacks
+        )
+        middle = _xla_counters() if xla else (0, 0)
+        result["predictions"] = model.predict(
+            x.numpy(), batch_size=FIT_BATCH, verbose=0, callbacks=callbacks
+        )
+        end = _xla_counters() if xla else (0, 0)
+        counts["evaluate"].append((middle[0] - start[0], middle[1] - start[1]))
+        counts["predict"].append((end[0] - middle[0], end[1] - middle[1]))
+    return result
+
+
+def assert_same_inference(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """evaluate's loss within 1e-5 and its accuracy exact; predictions within 1e-5."""
+    (loss, accuracy), (want_loss, want_accuracy) = got["evaluate"], want["evaluate"]
+    assert abs(loss - want_loss) < 1e-5 and accuracy == want_accuracy
+    assert got["predictions"].shape == (FIT_EXAMPLES, 3)
+    np.testing.assert_allclose(got["predictions"], want["predictions"], atol=1e-5, rtol=0)
+
+
+@functools.cache
+def counted_inference_run(strategy: ds.Strategy, steps_per_execution: int) -> dict[str, Any]:
+    """`inference_run` under `strategy` with a width no other test compiles (so the
+    first call's compiles are its own), once per process for each case."""
+    return inference_run(strategy, steps_per_execution, hidden=26)
+
+
+def validated_fit_history(strategy: ds.Strategy, steps_per_execution: int) -> dict[str, Any]:
+    """`fit` for 4 epochs with validation data of 200 rows (7 steps: a short last
+    execution with steps_per_execution=4), a width no other test compiles."""
+    x, y = data(FIT_EXAMPLES)
+    vx, vy = data(200, seed=5)
+    reference = mlp(hidden=30)
+    with strategy.scope():
+        net = mlp(hidden=30)
+        net.load_state_dict(reference.state_dict())
+        model = ds.Model(net)
+    model.compile(
+        optimizer="sgd",
+        loss=torch.nn.CrossEntropyLoss(),
+        metrics=["accuracy"],
+        steps_per_execution=steps_per_execution,
+    )
+    torch.manual_seed(1)  # the shuffling seed
+    history = model.fit(
+        x.numpy(),
+        y.numpy(),
+        batch_size=FIT_BATCH,
+        epochs=4,
+        verbose=0,
+        validation_data=(vx.numpy(), vy.numpy()),
+    )
+    return dict(history.history)

@@ -13,21 +13,26 @@ from _common import (
     FIT_EPOCHS,
     FIT_STEPS,
     GLOBAL_BATCH,
+    INFERENCE_CALLS_EVERY_4,
     BatchCalls,
+    InferenceBatchCalls,
     assert_close_to_reference,
     assert_same_history,
+    assert_same_inference,
     assert_same_run,
     assert_same_weights,
     check_clean_runs_not_warned,
     check_data_dependent_fit_warned_after_the_first_epoch,
     check_data_dependent_loop_warned_once,
     counted_fit_run,
+    counted_inference_run,
     cpu_reference,
     cpu_reference_of_width,
     data,
     default_fit_run,
     fit_history,
     fit_run,
+    inference_run,
     initial_weights,
     mlp,
     train,
@@ -357,3 +362,39 @@ def test_fit_whose_shapes_follow_the_data_is_warned_of_after_the_first_epoch(
 
 def test_clean_loops_and_fit_give_no_recompilation_warning(strategy: ds.TPUStrategy) -> None:
     check_clean_runs_not_warned(strategy)
+
+
+# -- evaluate and predict with steps_per_execution (issue #40) ----------------------------
+
+#: evaluate's and predict's XLA executions over 10 steps: each step's own, on each of
+#: the 4 devices, with steps_per_execution 4 as with 1 (replica mode fuses no steps).
+INFERENCE_EXECUTIONS = 4 * FIT_STEPS
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_evaluate_and_predict_give_the_numbers_of_one_step_per_execution(
+    strategy: ds.TPUStrategy, every: int
+) -> None:
+    got = counted_inference_run(strategy, every)
+    assert_same_inference(got, inference_run(ds.get_strategy(), every, hidden=26))
+    assert_same_inference(got, counted_inference_run(strategy, 1))
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_evaluate_and_predict_leave_one_execution_per_step_and_device_in_replica_mode(
+    strategy: ds.TPUStrategy, every: int
+) -> None:
+    counts = counted_inference_run(strategy, every)["counts"]
+    for kind in ("evaluate", "predict"):
+        assert [runs for _, runs in counts[kind]] == [INFERENCE_EXECUTIONS] * 2, counts
+        assert counts[kind][1][0] == 0, counts  # the second call compiles nothing
+
+
+def test_evaluate_and_predict_call_batch_hooks_every_steps_per_execution_steps(
+    strategy: ds.TPUStrategy,
+) -> None:
+    got, want = InferenceBatchCalls(), InferenceBatchCalls()
+    inference_run(strategy, 4, got)
+    inference_run(ds.get_strategy(), 4, want)
+    assert got.calls == want.calls == INFERENCE_CALLS_EVERY_4 * 2
+    np.testing.assert_allclose(got.losses, want.losses, atol=1e-5, rtol=0)

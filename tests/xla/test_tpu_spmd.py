@@ -19,25 +19,32 @@ from _common import (
     FIT_EPOCHS,
     FIT_STEPS,
     GLOBAL_BATCH,
+    INFERENCE_CALLS_EVERY_4,
     BatchCalls,
+    InferenceBatchCalls,
     assert_close_to_reference,
     assert_same_history,
+    assert_same_inference,
     assert_same_run,
     assert_same_weights,
     check_clean_runs_not_warned,
     check_data_dependent_fit_warned_after_the_first_epoch,
     check_data_dependent_loop_warned_once,
     counted_fit_run,
+    counted_inference_run,
     cpu_reference,
     cpu_reference_of_width,
     data,
     default_fit_run,
     fit_history,
     fit_run,
+    inference_run,
     initial_weights,
     loader,
+    recompilation_warnings,
     train,
     train_in_executions,
+    validated_fit_history,
     written_once,
 )
 
@@ -412,3 +419,64 @@ def test_fit_whose_shapes_follow_the_data_is_warned_of_after_the_first_epoch(
 
 def test_clean_loops_and_fit_give_no_recompilation_warning(strategy: ds.TPUStrategy) -> None:
     check_clean_runs_not_warned(strategy)
+
+
+# -- evaluate and predict in executions of steps_per_execution (issue #40) ---------------
+
+#: evaluate's and predict's XLA executions over 10 steps: one per steps_per_execution
+#: steps (4, 4 and 2 for 4), as in fit's epochs.
+INFERENCE_EXECUTIONS = {1: FIT_STEPS, 4: 3}
+#: Graphs each one's first call compiles: the step's; the executions of 4 and of 2 steps.
+INFERENCE_COMPILES = {1: 1, 4: 2}
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_evaluate_and_predict_give_the_numbers_of_one_step_per_execution(
+    strategy: ds.TPUStrategy, every: int
+) -> None:
+    """The same loss, accuracy and predictions (the padded last batch's extra rows
+    dropped) as under the default strategy, and as with one step per execution."""
+    got = counted_inference_run(strategy, every)
+    assert_same_inference(got, inference_run(ds.get_strategy(), every, hidden=26))
+    assert_same_inference(got, counted_inference_run(strategy, 1))
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_evaluate_and_predict_run_steps_per_execution_steps_as_one_xla_execution(
+    strategy: ds.TPUStrategy, every: int
+) -> None:
+    """One execution per group of steps, the short last group included; the second
+    calls compile nothing."""
+    counts = counted_inference_run(strategy, every)["counts"]
+    runs, compiles = INFERENCE_EXECUTIONS[every], INFERENCE_COMPILES[every]
+    assert counts == {
+        "evaluate": [(compiles, runs), (0, runs)],
+        "predict": [(compiles, runs), (0, runs)],
+    }
+
+
+def test_evaluate_and_predict_call_batch_hooks_every_steps_per_execution_steps(
+    strategy: ds.TPUStrategy,
+) -> None:
+    """Keras's rule, as fit's: a group's first step begins, its last ends, with the
+    logs of that step (read after the execution); still one execution per group."""
+    got, want = InferenceBatchCalls(), InferenceBatchCalls()
+    counts = inference_run(strategy, 4, got)["counts"]
+    inference_run(ds.get_strategy(), 4, want)
+    assert got.calls == want.calls == INFERENCE_CALLS_EVERY_4 * 2
+    np.testing.assert_allclose(got.losses, want.losses, atol=1e-5, rtol=0)
+    assert [runs for kind in ("evaluate", "predict") for _, runs in counts[kind]] == [3] * 4
+
+
+def test_fit_s_validation_in_executions_matches_the_default_strategy_unwarned(
+    strategy: ds.TPUStrategy,
+) -> None:
+    """fit's validation runs evaluate's executions every epoch: the same val_loss and
+    val_accuracy as the default strategy, and no recompilation warning."""
+    got: dict[str, Any] = {}
+    warned = recompilation_warnings(lambda: got.update(validated_fit_history(strategy, 4)))
+    assert warned == []
+    want = validated_fit_history(ds.get_strategy(), 4)
+    assert got["val_accuracy"] == want["val_accuracy"]
+    np.testing.assert_allclose(got["val_loss"], want["val_loss"], atol=1e-5, rtol=0)
+    assert_same_history(got, want)
