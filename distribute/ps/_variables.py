@@ -141,7 +141,7 @@ class ParameterServerVariable(torch.nn.Parameter):
     def _write(self, kind: str, value: Any) -> torch.Tensor:
         tensor = torch.as_tensor(value, dtype=self.dtype).detach().cpu()
         replica = context.get_replica_context()
-        replicas = replica.strategy.extended._num_replicas_in_sync() if replica else 1
+        replicas = replica.num_replicas_in_sync if replica else 1
         if replicas > 1:  # several local replicas (compat.v1): follow the aggregation
             aggregation = self._ds_handle.aggregation
             if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
@@ -416,7 +416,7 @@ def _push_gradients(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) ->
     ):
         return
     replica = context.get_replica_context()
-    if replica is not None and replica.strategy.extended._num_replicas_in_sync() > 1:
+    if replica is not None and replica.num_replicas_in_sync > 1:
         # Local replicas share each variable's copy, so its gradient already holds
         # their sum once all have arrived: one of them sends it, once.
         replica.merge_call(lambda strategy: _send_gradients(optimizer))

@@ -19,7 +19,8 @@ PACKAGE = Path(ds.__file__).parent
 
 
 def _private_attributes_of_strategies(under: Path) -> list[str]:
-    """``x._name`` where ``x`` reads as a strategy (``strategy``, ``self._strategy``)."""
+    """``x._name`` where ``x`` reads as a strategy or its engine (``strategy``,
+    ``self._strategy``, ``replica.strategy.extended``)."""
     found = []
     for path in sorted(under.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -27,7 +28,7 @@ def _private_attributes_of_strategies(under: Path) -> list[str]:
                 isinstance(node, ast.Attribute)
                 and node.attr.startswith("_")
                 and not node.attr.startswith("__")
-                and ast.unparse(node.value).split(".")[-1].lstrip("_") == "strategy"
+                and ast.unparse(node.value).split(".")[-1].lstrip("_") in ("strategy", "extended")
             ):
                 found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
     return found
