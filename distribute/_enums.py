@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import cast
 
 from distribute.errors import InvalidArgumentError
 
@@ -36,10 +37,9 @@ class ReduceOp(enum.Enum):
         if isinstance(value, ReduceOp):
             return value
         if isinstance(value, str):
-            try:
-                return cls[value.upper()]
-            except KeyError:
-                pass
+            op = cls._member_map_.get(value.upper())  # not cls[...]: a frame per `reduce`
+            if op is not None:
+                return cast("ReduceOp", op)
         raise InvalidArgumentError(
             f"reduce_op must be one of {[m.value for m in cls]} (any case), got {value!r}"
         )

@@ -86,13 +86,17 @@ _early = _Early()
 
 def _running() -> tuple[Strategy, StepHandler, int] | None:
     """The strategy running a replica in this thread, its handler and the local id."""
-    top = context._top()
-    if top is None or top.replica_context is None:
+    stack = context._state.stack  # read directly: twice in every replica's step
+    if not stack:
+        return None
+    top = stack[-1]
+    replica_ctx = top.replica_context
+    if replica_ctx is None:
         return None
     handler = top.strategy.extended.step_handler
     if handler is None:
         return None
-    return top.strategy, handler, top.replica_context.local_replica_id
+    return top.strategy, handler, replica_ctx._local_replica_id
 
 
 def _variables_of(optimizer: Optimizer, strategy: Strategy) -> list[DistributedVariable]:

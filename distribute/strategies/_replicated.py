@@ -248,10 +248,11 @@ class ReplicatedExtended(StrategyExtended):
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         strategy = self._container_strategy
-        if self._num_local == 1:
+        if len(self._devices) == 1:
             self._before_run()
             try:
-                replica_ctx = ReplicaContext(strategy, self._global_id(0), 0)
+                # the global id of the one local replica: _global_id(0), inlined
+                replica_ctx = ReplicaContext(strategy, self._worker_index, 0)
                 args = select_replica(0, args, 1)
                 if kwargs:
                     kwargs = select_replica(0, kwargs, 1)
@@ -342,9 +343,10 @@ class ReplicatedExtended(StrategyExtended):
             self._placement.place()
             self._placement.require_materialized()
         self._broadcast_initial_values()
-        if self._num_replicas_in_sync() > 1 and self._buffers:
+        n = len(self._devices)  # not the properties: every `run`
+        if n * self._num_workers > 1 and self._buffers:
             self._adopt_replaced_buffers()
-        if self._num_local > 1:
+        if n > 1:
             for var in self._live_variables():
                 if var._ds_synchronization is not VariableSynchronization.ON_READ:
                     var._sync_from_primary()  # copies written in cross-replica code only
@@ -357,9 +359,10 @@ class ReplicatedExtended(StrategyExtended):
         lifecycle.placed(placed)
 
     def _after_run(self) -> None:
-        if self._num_replicas_in_sync() == 1:
+        n = len(self._devices)
+        if n * self._num_workers == 1:
             return
-        if self._num_local > 1:
+        if n > 1:
             for var in self._live_variables():
                 if var._ds_synchronization is not VariableSynchronization.ON_READ:
                     var._mark_synced()  # every replica updated its own copy alike
