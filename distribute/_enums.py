@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import cast
 
 from distribute.errors import InvalidArgumentError
 
@@ -37,12 +36,16 @@ class ReduceOp(enum.Enum):
         if isinstance(value, ReduceOp):
             return value
         if isinstance(value, str):
-            op = cls._member_map_.get(value.upper())  # not cls[...]: a frame per `reduce`
+            op = _REDUCE_OPS.get(value.upper())  # not cls[...]: a frame per `reduce`
             if op is not None:
-                return cast("ReduceOp", op)
+                return op
         raise InvalidArgumentError(
             f"reduce_op must be one of {[m.value for m in cls]} (any case), got {value!r}"
         )
+
+
+#: ReduceOp by name, for `ReduceOp.from_value`.
+_REDUCE_OPS: dict[str, ReduceOp] = {op.name: op for op in ReduceOp}
 
 
 class VariableSynchronization(enum.Enum):
