@@ -44,6 +44,9 @@ class CrossReplicaReductions:
 
     def __init__(self, ext: ReplicatedExtended) -> None:
         self._ext_ref = weakref.ref(ext)
+        # Whether a cross-worker reduce was made: the first one's collective is
+        # checked against the other workers' call (NOTE [one collective per reduce]).
+        self._met = False
 
     @property
     def _ext(self) -> ReplicatedExtended:
@@ -93,13 +96,14 @@ class CrossReplicaReductions:
             check_matching_shapes(tensors, axis, "reduce", ext._global_id)
         except CollectiveMismatchError as exc:
             if cross is not None:  # the other workers still meet this one, and raise
-                _refuse_across_workers(cross, str(exc))
+                _refuse_across_workers(cross, str(exc), check=not self._met)
             raise
         if axis is not None:
             tensors = [t.sum(dim=axis) for t in tensors]
         total = _sum_to(tensors, ext._meet_device)
         if cross is not None:
-            total, count = _sum_across_workers(cross, total, count)
+            check, self._met = not self._met, True
+            total, count = _sum_across_workers(cross, total, count, check=check)
         if op is ReduceOp.SUM:
             return total
         divisor = count if count is not None else count_divisor
@@ -202,9 +206,12 @@ class CrossReplicaReductions:
 # branch: on a mismatch every worker makes the checked all-reduce (or, for a worker
 # whose own replicas disagree, the `check_same` it pairs with), which raises on every
 # worker naming both workers' shapes. This replaced a signature all-gather before every
-# reduce's all-reduce(s) (issue 40). Summing floats of 32 bits or fewer in float64 and
-# rounding once gives the same bits as summing them in their dtype for two workers,
-# and a sum at least as close for more.
+# reduce's all-reduce(s) (issue 40). The first reduce of a strategy still checks its
+# collective against the other workers' (one signature all-gather, identical for any
+# reduce): a worker making another collective there (a checkpoint save on one worker
+# only) raises at once on every worker; later, such a worker meets a timeout that
+# names the collective. Float32 values summed in float64 and rounded once give the
+# same bits as a float32 sum for two workers, and a sum at least as close for more.
 _HEADER = 5
 _SLOTS = 16
 _HASH_BITS = 20
@@ -218,7 +225,7 @@ def _hashes(dtype: torch.dtype, shape: tuple[int, ...], counted: bool) -> tuple[
 
 
 def _exchange(
-    cross: CrossWorker, hashes: tuple[int, int], count: int, values: list[float]
+    cross: CrossWorker, hashes: tuple[int, int], count: int, values: list[float], check: bool
 ) -> tuple[bool, list[float]]:
     """The one all-reduce of the header: whether every worker's hashes equal this
     worker's, and the summed buffer."""
@@ -226,7 +233,7 @@ def _exchange(
     header = [float(a), float(a * a), float(b), float(b * b), float(count), *values]
     header += [0.0] * (_SLOTS - len(header))
     buffer = torch.tensor(header, dtype=torch.float64)
-    summed: list[float] = cross.all_reduce([buffer], ReduceOp.SUM, name="reduce", check=False)[
+    summed: list[float] = cross.all_reduce([buffer], ReduceOp.SUM, name="reduce", check=check)[
         0
     ].tolist()
     w = cross.world_size
@@ -235,13 +242,13 @@ def _exchange(
 
 
 def _sum_across_workers(
-    cross: CrossWorker, total: torch.Tensor, count: int | None
+    cross: CrossWorker, total: torch.Tensor, count: int | None, *, check: bool
 ) -> tuple[torch.Tensor, int | None]:
     """``total`` and ``count`` summed over the workers (NOTE [one collective per reduce])."""
     hashes = _hashes(total.dtype, tuple(total.shape), count is not None)
     inline = total.is_floating_point() and total.numel() <= _SLOTS - _HEADER
     values = total.reshape(-1).tolist() if inline else []
-    same, summed = _exchange(cross, hashes, count or 0, values)
+    same, summed = _exchange(cross, hashes, count or 0, values, check)
     if not same:
         cross.all_reduce([total], ReduceOp.SUM, name="reduce")  # raises naming both
         raise CollectiveMismatchError(
@@ -257,11 +264,11 @@ def _sum_across_workers(
     return cross.all_reduce([total], ReduceOp.SUM, name="reduce", check=False)[0], count
 
 
-def _refuse_across_workers(cross: CrossWorker, error: str) -> None:
+def _refuse_across_workers(cross: CrossWorker, error: str, *, check: bool) -> None:
     """This worker's replicas disagree: it meets the others' reduce with a signature
     theirs cannot match, then pairs their checked all-reduce with a `check_same` that
     carries its error, so that every worker raises at once."""
-    same, _ = _exchange(cross, _hashes(torch.bool, (-1,), False), 0, [])
+    same, _ = _exchange(cross, _hashes(torch.bool, (-1,), False), 0, [], check)
     if not same:
         with contextlib.suppress(CollectiveMismatchError):
             cross.check_same(("reduce", error), name="reduce")

@@ -110,3 +110,38 @@ def test_reduce_raises_on_every_worker_when_a_worker_changes_after_steady_steps(
             assert "float32[3]" in out["error"], out["error"]
         else:
             assert "axis" in out["error"], out["error"]
+
+
+def _later_other_collective() -> dict[str, Any]:
+    """Steady reduces, then worker 1 gathers where worker 0 reduces."""
+    strategy = ds.MultiWorkerMirroredStrategy(
+        communication_options=ds.experimental.CommunicationOptions(timeout_seconds=3)
+    )
+    assert strategy.cluster_resolver is not None
+    rank = strategy.cluster_resolver.rank
+    for _ in range(STEADY_STEPS):
+        strategy.reduce("sum", torch.ones(3), axis=None)
+    start = time.monotonic()
+    try:
+        if rank == 1:
+            strategy.gather(torch.ones(3), axis=0)
+        else:
+            strategy.reduce("sum", torch.ones(3), axis=None)
+    except ds.errors.DistributeError as exc:
+        return {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "seconds": time.monotonic() - start,
+        }
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+def test_another_collective_after_steady_reduces_raises_within_the_timeout() -> None:
+    # The first reduce checks its collective against the others' (a checkpoint save on
+    # one worker raises at once, test_checkpoint_multi_worker.py); later ones carry
+    # only their own signature, and another collective there ends in the timeout's
+    # error, on every worker, never a hang or a number.
+    results = launch.run(_later_other_collective, 2, timeout=120)
+    for out in results:
+        assert out["error"] in {"CollectiveTimeoutError", "CollectiveMismatchError"}, out
+        assert out["seconds"] < 3 + 10, out
