@@ -96,7 +96,8 @@ class CrossReplicaReductions:
             check_matching_shapes(tensors, axis, "reduce", ext._global_id)
         except CollectiveMismatchError as exc:
             if cross is not None:  # the other workers still meet this one, and raise
-                _refuse_across_workers(cross, str(exc), check=not self._met)
+                check, self._met = not self._met, True
+                _refuse_across_workers(cross, str(exc), check=check)
             raise
         if axis is not None:
             tensors = [t.sum(dim=axis) for t in tensors]
