@@ -36,13 +36,16 @@ class ReduceOp(enum.Enum):
         if isinstance(value, ReduceOp):
             return value
         if isinstance(value, str):
-            try:
-                return cls[value.upper()]
-            except KeyError:
-                pass
+            op = _REDUCE_OPS.get(value.upper())  # not cls[...]: a frame per `reduce`
+            if op is not None:
+                return op
         raise InvalidArgumentError(
             f"reduce_op must be one of {[m.value for m in cls]} (any case), got {value!r}"
         )
+
+
+#: ReduceOp by name, for `ReduceOp.from_value`.
+_REDUCE_OPS: dict[str, ReduceOp] = {op.name: op for op in ReduceOp}
 
 
 class VariableSynchronization(enum.Enum):

@@ -325,6 +325,12 @@ def regroup(per_replica: Sequence[Any], wrap: type[DistributedValues] = PerRepli
     if len(per_replica) == 1:
         return first
     kind = type(first)
+    kinds = set(map(type, per_replica))
+    if len(kinds) == 1 and _is_leaf_type(kind):  # one leaf per replica (a loss): no walk
+        for p in per_replica:
+            if p is not first:
+                return wrap(per_replica)
+        return first
     if (
         (kind is list or kind is tuple)
         and all(type(p) is kind and len(p) == len(first) for p in per_replica)

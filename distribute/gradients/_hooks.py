@@ -32,7 +32,7 @@ import operator
 import threading
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from torch.nn import Parameter
 from torch.optim.optimizer import (
@@ -62,17 +62,20 @@ _plans: weakref.WeakKeyDictionary[
 ] = weakref.WeakKeyDictionary()
 
 
-def _planned(optimizer: Optimizer, strategy: Strategy) -> list[DistributedVariable] | None:
+def _planned(
+    optimizer: Optimizer, strategy: Strategy, cached: Any = None
+) -> list[DistributedVariable] | None:
     """The variables `_variables_of` found for ``optimizer`` under ``strategy``, if all
-    are still alive; else None."""
-    cached = _plans.get(optimizer)
+    are still alive; else None. ``cached``: its plan, if the caller has read it."""
+    if cached is None:
+        cached = _plans.get(optimizer)
     if cached is None or cached[1]() is not strategy:
         return None
     # C-level maps (no Python frame per variable: the step's host budget).
-    variables = list(map(weakref.ref.__call__, cached[2]))
+    variables: list[Any] = list(map(weakref.ref.__call__, cached[2]))  # no cast(): a frame
     if any(map(operator.is_, variables, itertools.repeat(None))):
         return None
-    return cast("list[DistributedVariable]", variables)
+    return variables
 
 
 class _Early(threading.local):
@@ -86,13 +89,17 @@ _early = _Early()
 
 def _running() -> tuple[Strategy, StepHandler, int] | None:
     """The strategy running a replica in this thread, its handler and the local id."""
-    top = context._top()
-    if top is None or top.replica_context is None:
+    stack = context._state.stack  # read directly: twice in every replica's step
+    if not stack:
+        return None
+    top = stack[-1]
+    replica_ctx = top.replica_context
+    if replica_ctx is None:
         return None
     handler = top.strategy.extended.step_handler
     if handler is None:
         return None
-    return top.strategy, handler, top.replica_context.local_replica_id
+    return top.strategy, handler, replica_ctx._local_replica_id
 
 
 def _variables_of(optimizer: Optimizer, strategy: Strategy) -> list[DistributedVariable]:
@@ -102,7 +109,7 @@ def _variables_of(optimizer: Optimizer, strategy: Strategy) -> list[DistributedV
     key = tuple(map(id, params))
     cached = _plans.get(optimizer)
     if cached is not None and cached[0] == key:
-        planned = _planned(optimizer, strategy)
+        planned = _planned(optimizer, strategy, cached)
         if planned is not None:
             return planned
     own: list[DistributedVariable] = []  # or tensors a strategy manages (`_marks.managed_by`)

@@ -27,7 +27,7 @@ Replicas on XLA devices (`TPUStrategy`'s replica mode) sum on the host
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -93,20 +93,31 @@ class LocalSum:
         """Never: every step packs what it finds."""
         return False
 
-    def sum(self, local: int) -> None:
-        """Sums every replica's gradients into each replica's gradients."""
+    def sum(self, local: int, also: Callable[[], Any] | None = None) -> Any:
+        """Sums every replica's gradients into each replica's gradients.
+
+        Args:
+            local: the calling replica.
+            also: run once, inside the sum's rendezvous (every replica has arrived,
+                none has gone on): its result is returned to every replica, so a
+                step needs one rendezvous for both (the optimizer's param-group
+                snapshot, `SynchronousStepHandler.before_step`).
+
+        Returns:
+            What ``also`` returned; None without it.
+        """
         ext = self._ext
         variables = self._variables
         grads = [_get_grad(v, local) for v in variables]
         if self._on_gpus:
-            self._sum_on_gpus(local, grads)
-            return
+            return self._sum_on_gpus(local, grads, also)
         if self._on_xla:
-            self._sum_on_host(local, grads)
-            return
-        result = ext.exchange(local, "gradient aggregation", grads, self._combine)
+            return self._sum_on_host(local, grads, also)
+        extra, result = ext.exchange(
+            local, "gradient aggregation", grads, _with(also, self._combine)
+        )
         if result is None:
-            return
+            return extra
         device = ext.devices[local]
         shapes = self._shapes
         for indices, total, unused in result:
@@ -119,6 +130,7 @@ class LocalSum:
                         _set_grad(var, local, view.clone())
                 else:
                     grad.copy_(view)
+        return extra
 
     def _combine(
         self, per_replica: list[list[torch.Tensor | None]]
@@ -182,7 +194,9 @@ class LocalSum:
             result.append((members, total[:numel], unused))
         return result
 
-    def _sum_on_gpus(self, local: int, grads: list[torch.Tensor | None]) -> None:
+    def _sum_on_gpus(
+        self, local: int, grads: list[torch.Tensor | None], also: Callable[[], Any] | None
+    ) -> Any:
         """Every local replica on its own GPU: NCCL sums the replicas' own packs."""
         ext = self._ext
         variables = self._variables
@@ -202,8 +216,8 @@ class LocalSum:
                         if grads[j] is None:
                             flags[k] = 0
                     packs.append((members, torch.cat([*parts, flags])))
-        summed = ext.exchange(local, "gradient aggregation", packs, self._nccl_sum)
-        del summed  # the packs were summed in place, every replica's on its own GPU
+        # the packs are summed in place, every replica's on its own GPU
+        extra, _ = ext.exchange(local, "gradient aggregation", packs, _with(also, self._nccl_sum))
         for members, flat in packs:
             numel = flat.numel() - len(members)
             used: list[float] | None = None
@@ -217,15 +231,21 @@ class LocalSum:
                         _set_grad(variables[j], local, view)
                 else:
                     grad.copy_(view)
+        return extra
 
-    def _sum_on_host(self, local: int, grads: list[torch.Tensor | None]) -> None:
+    def _sum_on_host(
+        self, local: int, grads: list[torch.Tensor | None], also: Callable[[], Any] | None
+    ) -> Any:
         """Replicas on XLA devices: the sum is made on the host (NOTE [host reduction]
         in `collectives/xla.py`) and copied to each replica's device."""
-        totals = self._ext.exchange(local, "gradient aggregation", grads, _host_sum)
+        extra, totals = self._ext.exchange(
+            local, "gradient aggregation", grads, _with(also, _host_sum)
+        )
         device = self._ext.devices[local]
         for var, total in zip(self._variables, totals):
             if total is not None:
                 _set_grad(var, local, total.to(device))
+        return extra
 
     def _nccl_sum(self, per_replica: list[list[tuple[list[int], torch.Tensor]]]) -> None:
         """Sums every pack over the local GPUs (and across workers) in place."""
@@ -242,6 +262,18 @@ class LocalSum:
             cross.all_reduce(flats[:1], ReduceOp.SUM, name="gradients", in_place=True, check=check)
             torch.cuda.nccl.broadcast(flats, root=0)
         self._checked = layout
+
+
+def _with(
+    also: Callable[[], Any] | None, combine: Callable[[list[Any]], Any]
+) -> Callable[[list[Any]], tuple[Any, Any]]:
+    """``combine`` that first runs ``also`` (once, in the rendezvous): (its result,
+    combine's)."""
+
+    def both(per_replica: list[Any]) -> tuple[Any, Any]:
+        return (also() if also is not None else None), combine(per_replica)
+
+    return both
 
 
 def _host_sum(per_replica: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None]:

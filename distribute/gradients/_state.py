@@ -53,8 +53,11 @@ class PerReplicaState(collections.defaultdict):  # type: ignore[type-arg]
         mapping = getattr(self._keys, "mapping", None)
         return mapping.get(key, key) if mapping else key
 
-    def __getitem__(self, key: Any) -> Any:
-        return self._current()[self._key(key)]
+    def __getitem__(self, key: Any) -> Any:  # the optimizer's lookups: inlined, per step
+        mapping = getattr(self._keys, "mapping", None)
+        if mapping:
+            key = mapping.get(key, key)
+        return self._replicas[_local_replica(self._strategy) or 0][key]
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self._current()[self._key(key)] = value

@@ -19,9 +19,10 @@ sums first), and a step outside `run` over gradients made inside it.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from distribute import _torch
@@ -129,10 +130,22 @@ class SynchronousStepHandler:
                     optimizer.state = PerReplicaState(
                         optimizer.state, group.strategy, group.devices
                     )
-        # Taken before the sum, while no replica can have stepped yet.
-        view = self._own_groups(optimizer, local, plain) if several or plain else None
-        if not summed and in_sync > 1:
+        sums = not summed and in_sync > 1
+        if sums:
             _refuse_torch_grad_scaler()
+        view: list[dict[str, Any]] | None = None  # None: replica 0 steps on the originals
+        viewed = False
+        if several and sums and self._group.aggregate_gradients:
+            gradient_sum = self._sum_for(optimizer, variables)
+            if isinstance(gradient_sum, LocalSum):
+                # One rendezvous for the sum and the groups' snapshot, taken inside it
+                # while no replica can have stepped yet (issue 40: it was a second one).
+                snapshot = self._snapshot(optimizer, plain)
+                view = gradient_sum.sum(local, also=snapshot)[local]
+                sums, viewed = False, True
+        if not viewed and (several or plain):
+            view = self._own_groups(optimizer, local, plain)  # before the sum, likewise
+        if sums:
             self.sum_gradients(optimizer, variables, local)
         if central and local != 0:
             self._hidden.value = True
@@ -164,11 +177,12 @@ class SynchronousStepHandler:
             self._plain[optimizer] = plain
         return plain
 
-    def _own_groups(
-        self, optimizer: Optimizer, local: int, plain: bool
-    ) -> list[dict[str, Any]] | None:
-        """This replica's own copies of the optimizer's groups for the step, or None
-        for replica 0 stepping on the originals (NOTE [group state per replica])."""
+    def _snapshot(
+        self, optimizer: Optimizer, plain: bool
+    ) -> Callable[[], list[list[dict[str, Any]] | None]]:
+        """What makes every local replica's own copies of the optimizer's groups for
+        the step (None for replica 0 stepping on the originals; NOTE [group state per
+        replica]): called once, while no replica can have stepped."""
         groups = optimizer.param_groups
         if not isinstance(groups, ReplicaParamGroups):  # first step, or load_state_dict
             with self._lock:
@@ -176,15 +190,19 @@ class SynchronousStepHandler:
                 if not isinstance(groups, ReplicaParamGroups):
                     groups = ReplicaParamGroups(groups)
                     optimizer.param_groups = groups
-        originals = groups.originals()
-        n = len(self._group.devices)
-        if n == 1:
-            return snapshot_groups(originals, 1, plain)[0]
+        return functools.partial(
+            snapshot_groups, groups.originals(), len(self._group.devices), plain
+        )
+
+    def _own_groups(
+        self, optimizer: Optimizer, local: int, plain: bool
+    ) -> list[dict[str, Any]] | None:
+        """This replica's own copies of the optimizer's groups for the step (`_snapshot`)."""
+        snapshot = self._snapshot(optimizer, plain)
+        if len(self._group.devices) == 1:
+            return snapshot()[0]
         views: list[list[dict[str, Any]] | None] = self._group.exchange(
-            local,
-            "optimizer step (param groups)",
-            None,
-            lambda _: snapshot_groups(originals, n, plain),
+            local, "optimizer step (param groups)", None, lambda _: snapshot()
         )
         return views[local]
 

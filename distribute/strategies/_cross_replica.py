@@ -6,6 +6,7 @@ variable, over this worker's replicas and then across workers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distribute._enums import ReduceOp, VariableAggregation
+from distribute.collectives._calls import describe, signature_hash
 from distribute.collectives._shapes import check_axis, check_matching_shapes
 from distribute.errors import CollectiveMismatchError, InvalidArgumentError
 from distribute.strategies._devices import parse_device
@@ -27,6 +29,7 @@ from distribute.values import (
 from distribute.variables import DistributedVariable
 
 if TYPE_CHECKING:
+    from distribute.collectives.base import CrossWorker
     from distribute.strategies._replicated import ReplicatedExtended
 
 __all__ = ["CrossReplicaReductions"]
@@ -41,6 +44,9 @@ class CrossReplicaReductions:
 
     def __init__(self, ext: ReplicatedExtended) -> None:
         self._ext_ref = weakref.ref(ext)
+        # Whether a cross-worker reduce was made: the first one's collective is
+        # checked against the other workers' call (NOTE [one collective per reduce]).
+        self._met = False
 
     @property
     def _ext(self) -> ReplicatedExtended:
@@ -85,15 +91,20 @@ class CrossReplicaReductions:
             for t in tensors:
                 check_axis(t, axis, "reduce")
             count = sum(int(t.shape[axis]) for t in tensors)
-        self.check_local_shapes(tensors, axis, "reduce")
+        cross = ext._cross_worker
+        try:
+            check_matching_shapes(tensors, axis, "reduce", ext._global_id)
+        except CollectiveMismatchError as exc:
+            if cross is not None:  # the other workers still meet this one, and raise
+                check, self._met = not self._met, True
+                _refuse_across_workers(cross, str(exc), check=check)
+            raise
         if axis is not None:
             tensors = [t.sum(dim=axis) for t in tensors]
         total = _sum_to(tensors, ext._meet_device)
-        if ext._cross_worker is not None:
-            extra = [torch.tensor(float(count or 0), dtype=torch.float64)]
-            reduced = ext._cross_worker.all_reduce([total, *extra], ReduceOp.SUM, name="reduce")
-            total = reduced[0]
-            count = int(reduced[1].item()) if count is not None else None
+        if cross is not None:
+            check, self._met = not self._met, True
+            total, count = _sum_across_workers(cross, total, count, check=check)
         if op is ReduceOp.SUM:
             return total
         divisor = count if count is not None else count_divisor
@@ -178,6 +189,90 @@ class CrossReplicaReductions:
         if aggregation is VariableAggregation.MEAN:
             total = total / ext._num_replicas_in_sync()
         return total
+
+
+# NOTE [one collective per reduce]
+# A cross-worker `reduce` makes ONE all-reduce of a fixed 16-float64 buffer:
+#
+#     [a, a*a, b, b*b, count, v0 ... v10]
+#
+# a and b: two 20-bit hashes of the call's signature (dtype, shape, whether an axis was
+# reduced); count: the elements along that axis; v: the worker's sum itself when it is
+# a floating tensor of at most 11 elements (a loss), else zeros and the value follows
+# in a second, unchecked all-reduce. The buffer's layout never depends on the value,
+# so the collective completes whatever the workers passed, and its sums tell whether
+# they passed the same: the hashes agree on every worker exactly when sum(a) = W*a and
+# sum(a*a) = W*a*a for this worker's a (their variance is 0; every integer stays below
+# 2**53, so float64 is exact). Every worker reads the same sums, so all take the same
+# branch: on a mismatch every worker makes the checked all-reduce (or, for a worker
+# whose own replicas disagree, the `check_same` it pairs with), which raises on every
+# worker naming both workers' shapes. This replaced a signature all-gather before every
+# reduce's all-reduce(s) (issue 40). The first reduce of a strategy still checks its
+# collective against the other workers' (one signature all-gather, identical for any
+# reduce): a worker making another collective there (a checkpoint save on one worker
+# only) raises at once on every worker; later, such a worker meets a timeout that
+# names the collective. Float32 values summed in float64 and rounded once give the
+# same bits as a float32 sum for two workers, and a sum at least as close for more.
+_HEADER = 5
+_SLOTS = 16
+_HASH_BITS = 20
+
+
+@functools.lru_cache(maxsize=256)
+def _hashes(dtype: torch.dtype, shape: tuple[int, ...], counted: bool) -> tuple[int, int]:
+    """Two 20-bit hashes of a reduce's signature (NOTE [one collective per reduce])."""
+    h = signature_hash(("reduce", str(dtype), shape, counted)) & ((1 << 2 * _HASH_BITS) - 1)
+    return h >> _HASH_BITS, h & ((1 << _HASH_BITS) - 1)
+
+
+def _exchange(
+    cross: CrossWorker, hashes: tuple[int, int], count: int, values: list[float], check: bool
+) -> tuple[bool, list[float]]:
+    """The one all-reduce of the header: whether every worker's hashes equal this
+    worker's, and the summed buffer."""
+    a, b = hashes
+    header = [float(a), float(a * a), float(b), float(b * b), float(count), *values]
+    header += [0.0] * (_SLOTS - len(header))
+    buffer = torch.tensor(header, dtype=torch.float64)
+    summed: list[float] = cross.all_reduce([buffer], ReduceOp.SUM, name="reduce", check=check)[
+        0
+    ].tolist()
+    w = cross.world_size
+    same = summed[:4] == [w * a, w * a * a, w * b, w * b * b]
+    return same, summed
+
+
+def _sum_across_workers(
+    cross: CrossWorker, total: torch.Tensor, count: int | None, *, check: bool
+) -> tuple[torch.Tensor, int | None]:
+    """``total`` and ``count`` summed over the workers (NOTE [one collective per reduce])."""
+    hashes = _hashes(total.dtype, tuple(total.shape), count is not None)
+    inline = total.is_floating_point() and total.numel() <= _SLOTS - _HEADER
+    values = total.reshape(-1).tolist() if inline else []
+    same, summed = _exchange(cross, hashes, count or 0, values, check)
+    if not same:
+        cross.all_reduce([total], ReduceOp.SUM, name="reduce")  # raises naming both
+        raise CollectiveMismatchError(
+            f"reduce: the workers passed {describe([total])} but reduced it over different "
+            "axes (some passed axis=None); every worker must call reduce with the same axis."
+        )
+    if count is not None:
+        count = int(summed[4])
+    if inline:
+        n = total.numel()
+        piece = torch.tensor(summed[_HEADER : _HEADER + n], dtype=torch.float64)
+        return piece.to(total.dtype).reshape(total.shape).to(total.device), count
+    return cross.all_reduce([total], ReduceOp.SUM, name="reduce", check=False)[0], count
+
+
+def _refuse_across_workers(cross: CrossWorker, error: str, *, check: bool) -> None:
+    """This worker's replicas disagree: it meets the others' reduce with a signature
+    theirs cannot match, then pairs their checked all-reduce with a `check_same` that
+    carries its error, so that every worker raises at once."""
+    same, _ = _exchange(cross, _hashes(torch.bool, (-1,), False), 0, [], check)
+    if not same:
+        with contextlib.suppress(CollectiveMismatchError):
+            cross.check_same(("reduce", error), name="reduce")
 
 
 def _is_dataclass(x: Any) -> bool:

@@ -307,7 +307,11 @@ class ReplicaThreads:
         n = len(fns)
         results: list[Any] = [None] * n
         errors: list[BaseException | None] = [None] * n
-        done = threading.Semaphore(0)
+        # The last replica to finish wakes the caller, once (a semaphore released by
+        # each would wake it up to n times a step; issue 40).
+        done = threading.Event()
+        running = [n]
+        count_lock = threading.Lock()
         state = _ThreadState.capture()
         places = [_Placement.capture(d) for d in self._devices] or [_Placement(None)] * n
 
@@ -321,14 +325,17 @@ class ReplicaThreads:
                     errors[i] = e
                     on_error(i, e)
                 finally:
-                    done.release()
+                    with count_lock:
+                        running[0] -= 1
+                        last = running[0] == 0
+                    if last:
+                        done.set()
 
             return task
 
         for i in range(n):
             self._workers[i].tasks.put(make_task(i))
-        for _ in range(n):
-            done.acquire()
+        done.wait()
         first = _first_cause(errors)
         if first is not None:
             raise first

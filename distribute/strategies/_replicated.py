@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distribute import _marks, context
+from distribute import _marks, _torch, context
 from distribute._enums import (
     ReduceOp,
     StepRunner,
@@ -158,7 +158,9 @@ class ReplicatedExtended(StrategyExtended):
         self._cross_worker: CrossWorker | None = (
             workers.collectives if workers is not None else None
         )
-        self._variables: weakref.WeakSet[DistributedVariable] = weakref.WeakSet()
+        # Weak references rather than a WeakSet, whose iteration costs frames per
+        # variable at every `run` (`_live_variables` drops the dead).
+        self._variables: list[weakref.ref[DistributedVariable]] = []
         # Creation order, the same on every worker (a WeakSet's order is not: it
         # follows addresses), because the buffers' sync packs them in this order.
         # With the modules' slots that hold them: a buffer replaced there by a plain
@@ -248,10 +250,11 @@ class ReplicatedExtended(StrategyExtended):
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         strategy = self._container_strategy
-        if self._num_local == 1:
+        if len(self._devices) == 1:
             self._before_run()
             try:
-                replica_ctx = ReplicaContext(strategy, self._global_id(0), 0)
+                # the global id of the one local replica: _global_id(0), inlined
+                replica_ctx = ReplicaContext(strategy, self._worker_index, 0)
                 args = select_replica(0, args, 1)
                 if kwargs:
                     kwargs = select_replica(0, kwargs, 1)
@@ -314,7 +317,10 @@ class ReplicatedExtended(StrategyExtended):
         )
 
     def _live_variables(self) -> list[DistributedVariable]:
-        return list(self._variables)
+        alive = [v for ref in self._variables if (v := ref()) is not None]
+        if len(alive) != len(self._variables):
+            self._variables = [weakref.ref(v) for v in alive]
+        return alive
 
     def _adopt_replaced_buffers(self) -> None:
         """A buffer that `module.to(dtype)` replaced with a plain tensor becomes a
@@ -325,7 +331,7 @@ class ReplicatedExtended(StrategyExtended):
             adopted = self._placement.adopt_replaced_buffer(ref(), owners)
             if adopted is not None:
                 entries[index] = (weakref.ref(adopted), adopted._ds_owners)
-                self._variables.add(adopted)
+                self._variables.append(weakref.ref(adopted))
                 self._data_replaced(adopted)
 
     def _live_buffers(self) -> list[DistributedVariable]:
@@ -342,12 +348,21 @@ class ReplicatedExtended(StrategyExtended):
             self._placement.place()
             self._placement.require_materialized()
         self._broadcast_initial_values()
-        if self._num_replicas_in_sync() > 1 and self._buffers:
+        n = len(self._devices)  # not the properties: every `run`
+        if n * self._num_workers > 1 and self._buffers:
             self._adopt_replaced_buffers()
-        if self._num_local > 1:
-            for var in self._live_variables():
-                if var._ds_synchronization is not VariableSynchronization.ON_READ:
-                    var._sync_from_primary()  # copies written in cross-replica code only
+        if n > 1:
+            # `_sync_from_primary` of the copies written in cross-replica code only: the
+            # versions read here, without a call per variable.
+            with _torch.DisableTorchFunctionSubclass():
+                stale = [
+                    var
+                    for var in self._live_variables()
+                    if var._ds_synchronization is not VariableSynchronization.ON_READ
+                    and var._version != var._ds_synced_version
+                ]
+            for var in stale:
+                var._sync_from_primary()
         if self._lifecycle is not None:
             self._hand_placed(self._lifecycle)
 
@@ -357,12 +372,14 @@ class ReplicatedExtended(StrategyExtended):
         lifecycle.placed(placed)
 
     def _after_run(self) -> None:
-        if self._num_replicas_in_sync() == 1:
+        n = len(self._devices)
+        if n * self._num_workers == 1:
             return
-        if self._num_local > 1:
-            for var in self._live_variables():
-                if var._ds_synchronization is not VariableSynchronization.ON_READ:
-                    var._mark_synced()  # every replica updated its own copy alike
+        if n > 1:
+            with _torch.DisableTorchFunctionSubclass():  # `_mark_synced`, inlined
+                for var in self._live_variables():
+                    if var._ds_synchronization is not VariableSynchronization.ON_READ:
+                        var._ds_synced_version = var._version  # every copy updated alike
         buffers = self._live_buffers()
         if buffers:
             self._sync_buffers(buffers)
@@ -449,8 +466,10 @@ class ReplicatedExtended(StrategyExtended):
             and var._ds_synchronization is not VariableSynchronization.ON_READ
         ):
             self._pending_broadcast.append(var)
-        self._variables.add(var)
+        self._variables.append(weakref.ref(var))
         self._variables_made += 1
+        if self._variables_made % 1024 == 0:  # models made and dropped without a `run`
+            self._live_variables()
         if self._lifecycle is not None:
             self._newly_placed.append(var)
 
