@@ -30,7 +30,7 @@ from distribute.variables import DistributedVariable
 
 if TYPE_CHECKING:
     from distribute.collectives.base import CrossWorker
-    from distribute.strategies._replicated import ReplicatedExtended
+    from distribute.strategies._replica_host import ReplicaHost
 
 __all__ = ["CrossReplicaReductions"]
 
@@ -42,14 +42,15 @@ class CrossReplicaReductions:
         ext: the strategy's engine (its replicas and workers).
     """
 
-    def __init__(self, ext: ReplicatedExtended) -> None:
+    def __init__(self, ext: ReplicaHost) -> None:
         self._ext_ref = weakref.ref(ext)
+        self._topology = ext.topology  # fixed: read without the engine
         # Whether a cross-worker reduce was made: the first one's collective is
         # checked against the other workers' call (NOTE [one collective per reduce]).
         self._met = False
 
     @property
-    def _ext(self) -> ReplicatedExtended:
+    def _ext(self) -> ReplicaHost:
         ext = self._ext_ref()
         assert ext is not None
         return ext
@@ -69,31 +70,30 @@ class CrossReplicaReductions:
         )
 
     def reduce_leaf(self, op: ReduceOp, leaf: Any, axis: int | None) -> Any:
-        ext = self._ext
         components = self.components(leaf)
         count_divisor: int
         if components is None:
-            if ext._num_workers == 1:
-                if op is ReduceOp.MEAN or ext._num_replicas_in_sync() == 1:
+            if self._topology.num_workers == 1:
+                if op is ReduceOp.MEAN or self._topology.num_replicas_in_sync == 1:
                     return leaf if axis is None else self.reduce_leaf(op, PerReplica([leaf]), axis)
                 raise InvalidArgumentError(
                     f"reduce(SUM) of a non-distributed value ({type(leaf).__name__}) over "
-                    f"{ext._num_replicas_in_sync()} replicas is ambiguous; pass the PerReplica "
-                    "that `run` returned, or use MEAN"
+                    f"{self._topology.num_replicas_in_sync} replicas is ambiguous; pass the "
+                    "PerReplica that `run` returned, or use MEAN"
                 )
             components = [leaf]  # a host value: one per worker, summed across workers (TF)
-            count_divisor = ext._num_workers
+            count_divisor = self._topology.num_workers
         else:
-            count_divisor = ext._num_replicas_in_sync()
+            count_divisor = self._topology.num_replicas_in_sync
         tensors = [torch.as_tensor(c) for c in components]
         count = None
         if axis is not None:
             for t in tensors:
                 check_axis(t, axis, "reduce")
             count = sum(int(t.shape[axis]) for t in tensors)
-        cross = ext._cross_worker
+        cross = self._topology.cross_worker
         try:
-            check_matching_shapes(tensors, axis, "reduce", ext._global_id)
+            check_matching_shapes(tensors, axis, "reduce", self._topology.global_id)
         except CollectiveMismatchError as exc:
             if cross is not None:  # the other workers still meet this one, and raise
                 check, self._met = not self._met, True
@@ -101,7 +101,7 @@ class CrossReplicaReductions:
             raise
         if axis is not None:
             tensors = [t.sum(dim=axis) for t in tensors]
-        total = _sum_to(tensors, ext._meet_device)
+        total = _sum_to(tensors, self._topology.meet_device)
         if cross is not None:
             check, self._met = not self._met, True
             total, count = _sum_across_workers(cross, total, count, check=check)
@@ -122,53 +122,49 @@ class CrossReplicaReductions:
         (naming these shapes) instead of waiting out the timeout in the collective
         this worker never reaches.
         """
-        ext = self._ext
         try:
-            check_matching_shapes(tensors, axis, what, ext._global_id)
+            check_matching_shapes(tensors, axis, what, self._topology.global_id)
         except CollectiveMismatchError as exc:
-            if ext._cross_worker is not None:
+            if self._topology.cross_worker is not None:
                 with contextlib.suppress(CollectiveMismatchError):
-                    ext._cross_worker.check_same((what, str(exc)), name=what)
+                    self._topology.cross_worker.check_same((what, str(exc)), name=what)
             raise
 
     def gather(self, value: Any, axis: int) -> Any:
         return pack_sequence_as(value, [self.gather_leaf(leaf, axis) for leaf in flatten(value)])
 
     def gather_leaf(self, leaf: Any, axis: int) -> torch.Tensor:
-        ext = self._ext
         components = self.components(leaf)
         if components is None:
-            components = [leaf] * ext._num_local
+            components = [leaf] * self._topology.num_local
         tensors = [torch.as_tensor(c) for c in components]
         for t in tensors:
             check_axis(t, axis, "gather")
         axis = axis % tensors[0].dim()
         self.check_local_shapes(tensors, axis, "gather")
-        gathered = torch.cat([t.to(ext._meet_device) for t in tensors], dim=axis)
-        if ext._cross_worker is not None:
-            gathered = ext._cross_worker.all_gather(gathered, axis, name="gather")
+        gathered = torch.cat([t.to(self._topology.meet_device) for t in tensors], dim=axis)
+        if self._topology.cross_worker is not None:
+            gathered = self._topology.cross_worker.all_gather(gathered, axis, name="gather")
         return gathered
 
     def local_results(self, value: Any) -> tuple[Any, ...]:
-        ext = self._ext
         components = self.components(value)
         if components is not None:
             return tuple(components)
         if isinstance(value, (list, tuple, dict)) or _is_dataclass(value):
-            return tuple(select_replica(i, value) for i in range(ext._num_local))
+            return tuple(select_replica(i, value) for i in range(self._topology.num_local))
         return (value,)
 
     def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any) -> Any:
         ext = self._ext
         op = ReduceOp.from_value(reduce_op)
-        if ext._cross_device_ops is not None and ext._cross_worker is None:
-            return ext._cross_device_ops.reduce(op, value, destinations)
+        if ext.cross_device_ops is not None and self._topology.cross_worker is None:
+            return ext.cross_device_ops.reduce(op, value, destinations)
         reduced = self.reduce_leaf(op, value, None)
         return _place(reduced, destinations)
 
     def read_sync_on_read(self, var: DistributedVariable) -> torch.Tensor:
-        ext = self._ext
-        components = [var._plain_component(i) for i in range(ext._num_local)]
+        components = [var._plain_component(i) for i in range(self._topology.num_local)]
         aggregation = var._ds_aggregation
         if aggregation is VariableAggregation.NONE:
             raise InvalidArgumentError(
@@ -178,16 +174,16 @@ class CrossReplicaReductions:
             )
         if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             first = components[0].clone()
-            if ext._cross_worker is not None:
-                ext._cross_worker.broadcast([first], 0, name="SyncOnReadVariable read")
+            if self._topology.cross_worker is not None:
+                self._topology.cross_worker.broadcast([first], 0, name="SyncOnReadVariable read")
             return first
-        total = _sum_to(components, ext._meet_device)
-        if ext._cross_worker is not None:
-            total = ext._cross_worker.all_reduce(
+        total = _sum_to(components, self._topology.meet_device)
+        if self._topology.cross_worker is not None:
+            total = self._topology.cross_worker.all_reduce(
                 [total], ReduceOp.SUM, name="SyncOnReadVariable read"
             )[0]
         if aggregation is VariableAggregation.MEAN:
-            total = total / ext._num_replicas_in_sync()
+            total = total / self._topology.num_replicas_in_sync
         return total
 
 

@@ -47,7 +47,7 @@ from distribute.errors import InvalidArgumentError
 from distribute.variables import DistributedVariable, buffer_aggregation, carry_attributes
 
 if TYPE_CHECKING:
-    from distribute.strategies._replicated import ReplicatedExtended
+    from distribute.strategies._replica_host import ReplicaHost
 
 __all__ = ["VariablePlacement"]
 
@@ -77,14 +77,15 @@ class VariablePlacement:
         ext: the strategy's extended object (devices, registration, broadcast).
     """
 
-    def __init__(self, ext: ReplicatedExtended) -> None:
+    def __init__(self, ext: ReplicaHost) -> None:
         self._ext_ref = weakref.ref(ext)
+        self._topology = ext.topology  # fixed: read without the engine
         # Created in scope, not yet placed, in creation order (the same on every
         # worker). Held strongly: `swap_tensors` refuses tensors with weak references.
         self._unplaced: list[DistributedVariable] = []
 
     @property
-    def _ext(self) -> ReplicatedExtended:
+    def _ext(self) -> ReplicaHost:
         ext = self._ext_ref()
         assert ext is not None
         return ext
@@ -176,7 +177,7 @@ class VariablePlacement:
             is_param=not is_buffer,
             is_buffer=is_buffer,
         )
-        var = ext._make_variable(plain.detach(), spec, devices=(plain.device,))
+        var = ext.make_variable(plain.detach(), spec, devices=(plain.device,))
         attributes = dict(vars(plain))
         self._swap(plain, var, what="materialized")
         adopted: DistributedVariable = plain  # type: ignore[assignment]  # now the variable
@@ -187,7 +188,7 @@ class VariablePlacement:
 
     def _place_one(self, var: DistributedVariable, *, register: bool = True) -> None:
         ext = self._ext
-        target = ext._devices[0]
+        target = self._topology.devices[0]
         primary = var._plain_component(0)
         if primary.device != target:
             moved = primary.to(target)
@@ -196,7 +197,7 @@ class VariablePlacement:
                 _set_data(var, moved)
             else:
                 owners = var._ds_owners
-                replacement = ext._make_variable(moved, _spec_of(var), devices=(target,))
+                replacement = ext.make_variable(moved, _spec_of(var), devices=(target,))
                 attributes = dict(vars(var))
                 self._swap(var, replacement, what="placed")
                 carry_attributes(attributes, var)
@@ -206,20 +207,19 @@ class VariablePlacement:
         self._make_components(var)
         var._ds_placed = True
         if register:
-            ext._register_variable(var)
+            ext.register_variable(var)
 
     def _make_components(self, var: DistributedVariable) -> None:
         """The other local replicas' copies of the primary (aliases under central storage)."""
-        ext = self._ext
         primary = var._plain_component(0)
         alias = (
-            ext._central
+            self._topology.central
             and var._ds_synchronization is VariableSynchronization.ON_WRITE
             and not var._ds_is_buffer
         )
         old = var._ds_components
         components = []
-        for i, device in enumerate(ext._devices[1:]):
+        for i, device in enumerate(self._topology.devices[1:]):
             if alias:
                 component = primary.detach()
             else:
@@ -261,7 +261,7 @@ class VariablePlacement:
                 _set_data(var, value)
             else:  # from the meta device: the object takes the new tensor in place
                 owners = var._ds_owners
-                replacement = ext._make_variable(
+                replacement = ext.make_variable(
                     value.detach(), _spec_of(var), devices=(value.device,)
                 )
                 attributes = dict(vars(var))
@@ -270,11 +270,11 @@ class VariablePlacement:
                 var._ds_owners = owners
                 var._ds_placed = False
             return
-        target = ext._devices[0]
+        target = self._topology.devices[0]
         if value.device != target:
-            devices = ", ".join(str(d) for d in ext._devices)
+            devices = ", ".join(str(d) for d in self._topology.devices)
             raise InvalidArgumentError(
-                f"a variable of {ext._container_strategy!r} lives on its replica devices "
+                f"a variable of {ext.container_strategy!r} lives on its replica devices "
                 f"({devices}), but it was given a value on {value.device} (`.data = t`, "
                 f"or `module.to({str(value.device)!r})`); the strategy places the model: "
                 "drop the move (casts such as .to(torch.bfloat16) work), or read a copy "
@@ -284,8 +284,8 @@ class VariablePlacement:
         _set_data(var, value)
         self._make_components(var)
         if changed:
-            ext._variables_changed()
-        ext._data_replaced(var)
+            ext.variables_changed()
+        ext.data_replaced(var)
 
     def adopt_replaced_buffer(
         self, var: DistributedVariable | None, owners: list[Any]

@@ -1,7 +1,7 @@
 """Collectives among the local replicas inside `run` (`ReplicaCollectives`).
 
 Every replica thread of a `ReplicatedExtended` calls the same collective at the
-same point; they meet at the strategy's rendezvous (`ReplicatedExtended._exchange`),
+same point; they meet at the strategy's rendezvous (`ReplicatedExtended.exchange`),
 the last to arrive combines the payloads, across workers too, and each replica
 takes its share. All-reduce and all-gather are differentiable: the gradient of a SUM
 is the SUM of the gradients, an all-gather's is each replica's slice of the summed
@@ -27,7 +27,7 @@ from distribute.strategies._autograd_collectives import AllGather, AllReduce
 from distribute.values import flatten, pack_sequence_as, regroup, select_replica
 
 if TYPE_CHECKING:
-    from distribute.strategies._replicated import ReplicatedExtended
+    from distribute.strategies._replica_host import ReplicaHost
 
 __all__ = ["ReplicaCollectives"]
 
@@ -40,11 +40,12 @@ class ReplicaCollectives:
         ext: the strategy's engine (its replicas, rendezvous and workers).
     """
 
-    def __init__(self, ext: ReplicatedExtended) -> None:
+    def __init__(self, ext: ReplicaHost) -> None:
         self._ext_ref = weakref.ref(ext)
+        self._topology = ext.topology  # fixed: read without the engine
 
     @property
-    def _ext(self) -> ReplicatedExtended:
+    def _ext(self) -> ReplicaHost:
         ext = self._ext_ref()
         assert ext is not None
         return ext
@@ -64,32 +65,33 @@ class ReplicaCollectives:
         """
         ext = self._ext
 
+        topo = self._topology
+
         def combine(packs: list[PackedTensors]) -> list[torch.Tensor]:
             for i, pack in enumerate(packs[1:], start=1):
                 if not packs[0].same_layout(pack):
                     raise CollectiveMismatchError(
-                        f"{name}: replica {ext._global_id(0)} passed {packs[0].describe()} but "
-                        f"replica {ext._global_id(i)} passed {pack.describe()}; every replica "
+                        f"{name}: replica {topo.global_id(0)} passed {packs[0].describe()} but "
+                        f"replica {topo.global_id(i)} passed {pack.describe()}; every replica "
                         "must pass the same structure, shapes and dtypes"
                     )
-            totals = sum_packs(packs, ext._meet_device)
-            if ext._cross_worker is not None:
-                totals = ext._cross_worker.all_reduce(totals, ReduceOp.SUM, name=name)
+            totals = sum_packs(packs, topo.meet_device)
+            if topo.cross_worker is not None:
+                totals = topo.cross_worker.all_reduce(totals, ReduceOp.SUM, name=name)
             if op is ReduceOp.MEAN:
-                n = ext._num_replicas_in_sync()
+                n = topo.num_replicas_in_sync
                 totals = [t / n if t.is_floating_point() else t.double() / n for t in totals]
             return totals  # read by every replica, written by none
 
         with torch.no_grad():
             packed = pack_tensors(tensors)
-        totals: list[torch.Tensor] = ext._exchange(local, f"all_reduce {name}", packed, combine)
-        device = ext._devices[local]
+        totals: list[torch.Tensor] = ext.exchange(local, f"all_reduce {name}", packed, combine)
+        device = self._topology.devices[local]
         own = [t.to(device, copy=True) for t in totals]
         return unpack_tensors(own, packed.shapes, packed.groups)
 
     def all_reduce(self, replica_ctx: ReplicaContext, op: ReduceOp, value: Any) -> Any:
-        ext = self._ext
-        if ext._num_replicas_in_sync() == 1:
+        if self._topology.num_replicas_in_sync == 1:
             return value
         local = replica_ctx.local_replica_id
         # A tensor, or a plain list or tuple of tensors (the common cases): no nest walk.
@@ -134,21 +136,22 @@ class ReplicaCollectives:
         the value is summed across workers, as TF's multi-worker strategy does.
         """
         ext = self._ext
-        if op is ReduceOp.SUM and ext._num_local > 1:
+        if op is ReduceOp.SUM and self._topology.num_local > 1:
             local = replica_ctx.local_replica_id
 
             def combine(values: list[Any]) -> list[bool]:
                 same = all(v is values[0] for v in values[1:])
-                return [same] * ext._num_local
+                return [same] * self._topology.num_local
 
-            same: list[bool] = ext._exchange(local, "assign (SUM)", value, combine)
+            same: list[bool] = ext.exchange(local, "assign (SUM)", value, combine)
             if same[local] and bool(torch.as_tensor(value).detach().ne(0).any()):
                 raise InvalidArgumentError(
                     f"a variable with SUM aggregation was assigned {_short(value)} inside "
-                    f"`run`, the same object on all {ext._num_local} replicas: a "
+                    f"`run`, the same object on all {self._topology.num_local} replicas: a "
                     "non-distributed value cannot be reduced with SUM (it would count "
-                    f"{ext._num_local} times). Assign a value each replica computes, give "
-                    "the variable MEAN or ONLY_FIRST_REPLICA aggregation, or assign it in "
+                    f"{self._topology.num_local} times). Assign a value each replica "
+                    "computes, give the variable MEAN or ONLY_FIRST_REPLICA aggregation, or "
+                    "assign it in "
                     "cross-replica context"
                 )
         result: torch.Tensor = self.all_reduce(replica_ctx, op, torch.as_tensor(value))
@@ -171,16 +174,18 @@ class ReplicaCollectives:
         ext = self._ext
 
         def combine(per_replica: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[int]]]:
-            check_matching_shapes(per_replica, axis, name, ext._global_id)
-            gathered = torch.cat([t.to(ext._meet_device) for t in per_replica], dim=axis)
+            check_matching_shapes(per_replica, axis, name, self._topology.global_id)
+            gathered = torch.cat([t.to(self._topology.meet_device) for t in per_replica], dim=axis)
             sizes = [int(t.shape[axis]) for t in per_replica]
-            if ext._cross_worker is not None:
+            if self._topology.cross_worker is not None:
                 sizes_t = torch.tensor(sizes, dtype=torch.int64)
-                sizes = ext._cross_worker.all_gather(sizes_t, 0, name=f"{name} sizes").tolist()
-                gathered = ext._cross_worker.all_gather(gathered, axis, name=name)
-            return [(gathered.to(d, copy=True), sizes) for d in ext._devices]
+                sizes = self._topology.cross_worker.all_gather(
+                    sizes_t, 0, name=f"{name} sizes"
+                ).tolist()
+                gathered = self._topology.cross_worker.all_gather(gathered, axis, name=name)
+            return [(gathered.to(d, copy=True), sizes) for d in self._topology.devices]
 
-        results: list[tuple[torch.Tensor, list[int]]] = ext._exchange(
+        results: list[tuple[torch.Tensor, list[int]]] = ext.exchange(
             local, name, tensor.detach(), combine
         )
         return results[local]
@@ -193,13 +198,13 @@ class ReplicaCollectives:
         kwargs: dict[str, Any],
     ) -> Any:
         ext = self._ext
-        strategy = ext._container_strategy
+        strategy = ext.container_strategy
 
         def run_merge(merge_args: Any, merge_kwargs: Any) -> Any:
             with context._push(strategy, None, in_merge=True):
                 return merge_fn(strategy, *merge_args, **merge_kwargs)
 
-        if ext._rendezvous is None:
+        if ext.rendezvous is None:
             return run_merge(args, kwargs)
 
         def combine(per_replica: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> Any:
@@ -208,7 +213,7 @@ class ReplicaCollectives:
             return run_merge(merged_args, merged_kwargs)
 
         local = replica_ctx.local_replica_id
-        result = ext._exchange(local, "merge_call", (args, kwargs), combine)
+        result = ext.exchange(local, "merge_call", (args, kwargs), combine)
         return select_replica(local, result)
 
     def once(self, replica_ctx: ReplicaContext, fn: Callable[[], None]) -> None:
@@ -217,21 +222,21 @@ class ReplicaCollectives:
 
         def combine(per_replica: list[Callable[[], None]]) -> list[None]:
             per_replica[0]()
-            return [None] * ext._num_local
+            return [None] * self._topology.num_local
 
-        ext._exchange(replica_ctx.local_replica_id, "shared variable write", fn, combine)
+        ext.exchange(replica_ctx.local_replica_id, "shared variable write", fn, combine)
 
     def broadcast_first(self, replica_ctx: ReplicaContext, value: torch.Tensor) -> Any:
         ext = self._ext
 
         def combine(per_replica: list[torch.Tensor]) -> list[torch.Tensor]:
             first = per_replica[0].detach().clone()
-            if ext._cross_worker is not None:
-                ext._cross_worker.broadcast([first], 0, name="ONLY_FIRST_REPLICA assign")
-            return [first.to(d, copy=True) for d in ext._devices]
+            if self._topology.cross_worker is not None:
+                self._topology.cross_worker.broadcast([first], 0, name="ONLY_FIRST_REPLICA assign")
+            return [first.to(d, copy=True) for d in self._topology.devices]
 
         local = replica_ctx.local_replica_id
-        results: list[torch.Tensor] = ext._exchange(local, "broadcast", value, combine)
+        results: list[torch.Tensor] = ext.exchange(local, "broadcast", value, combine)
         return results[local]
 
 
@@ -262,4 +267,4 @@ class _LocalReducer:
         self, tensor: torch.Tensor, axis: int, name: str
     ) -> tuple[torch.Tensor, list[int], int]:
         gathered, sizes = self._ops.all_gather_tensor(self._local, tensor, axis, name)
-        return gathered, sizes, self._ops._ext._global_id(self._local)
+        return gathered, sizes, self._ops._topology.global_id(self._local)

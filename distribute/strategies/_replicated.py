@@ -51,6 +51,7 @@ from distribute.strategies._engine_parts import (
 )
 from distribute.strategies._placement import VariablePlacement
 from distribute.strategies._replica_collectives import ReplicaCollectives
+from distribute.strategies._replica_host import ReplicaTopology
 from distribute.strategies._replica_threads import Rendezvous, ReplicaThreads
 from distribute.strategies.base import StrategyExtended
 from distribute.values import (
@@ -136,28 +137,20 @@ class ReplicatedExtended(StrategyExtended):
         super().__init__(container_strategy, capture=capture, lifecycle=lifecycle)
         self._step_runner = step_runner
         self._static_batch_shapes = static_batch_shapes
-        self._devices = replica_devices(devices)
+        #: Where the replicas are, fixed for the engine's life; what its parts read
+        #: (NOTE [the replica host]).
+        self.topology = ReplicaTopology.of(replica_devices(devices), workers, central_storage)
         self._home = home
-        # Where the replicas' values meet to be combined: the first replica's device,
-        # or the host for XLA devices, whose pending (lazy) tensors cannot move from
-        # one device to another (NOTE [host reduction] in collectives/xla.py).
-        self._meet_device = (
-            torch.device("cpu") if self._devices[0].type == "xla" else self._devices[0]
-        )
         self._captures_modules = captures_modules
         # Plain tensors passed to `run` reach each replica on its device (as TF places
         # a plain argument); on CPU replicas there is nothing to move, and no walk.
-        self._places_arguments = captures_modules and any(d.type != "cpu" for d in self._devices)
+        self._places_arguments = captures_modules and any(
+            d.type != "cpu" for d in self.topology.devices
+        )
         self._wrap_single_values = wrap_single_values
-        self._central = central_storage
         self._timeout = float(timeout_seconds or DEFAULT_TIMEOUT_SECONDS)
         self._bytes_per_pack = bytes_per_pack
         self._cross_device_ops = cross_device_ops
-        self._worker_index = workers.index if workers is not None else 0
-        self._num_workers = workers.count if workers is not None else 1
-        self._cross_worker: CrossWorker | None = (
-            workers.collectives if workers is not None else None
-        )
         # Weak references rather than a WeakSet, whose iteration costs frames per
         # variable at every `run` (`_live_variables` drops the dead).
         self._variables: list[weakref.ref[DistributedVariable]] = []
@@ -177,8 +170,8 @@ class ReplicatedExtended(StrategyExtended):
         # Variables registered so far (never decreases): a new model since a step ran.
         self._variables_made = 0
         self._buffer_sync: BufferSync | None = None
-        n = len(self._devices)
-        self._rendezvous = Rendezvous(n, self._timeout, self._devices) if n > 1 else None
+        n = len(self.topology.devices)
+        self._rendezvous = Rendezvous(n, self._timeout, self.topology.devices) if n > 1 else None
         self._threads: ReplicaThreads | None = None
         self._thread_lock = threading.Lock()
         self._run_owner: threading.Thread | None = None
@@ -202,35 +195,43 @@ class ReplicatedExtended(StrategyExtended):
 
     @property
     def worker_devices(self) -> tuple[torch.device, ...]:
-        return self._devices
+        return self.topology.devices
 
     @property
     def parameter_devices(self) -> tuple[torch.device, ...]:
         if self._home is not None:
             return self._home.parameter_devices
-        return self._devices[:1] if self._central else self._devices
-
-    @property
-    def _num_local(self) -> int:
-        return len(self._devices)
+        return self.topology.devices[:1] if self.topology.central else self.topology.devices
 
     def _num_replicas_in_sync(self) -> int:
-        return self._num_workers * len(self._devices)
-
-    def _global_id(self, local: int) -> int:
-        return self._worker_index * len(self._devices) + local
+        return self.topology.num_replicas_in_sync
 
     @property
     def cross_worker(self) -> CrossWorker | None:
-        return self._cross_worker
+        return self.topology.cross_worker
 
     @property
     def worker_index(self) -> int:
-        return self._worker_index
+        return self.topology.worker_index
 
     @property
     def num_workers(self) -> int:
-        return self._num_workers
+        return self.topology.num_workers
+
+    @property
+    def container_strategy(self) -> Any:
+        """The strategy this engine serves."""
+        return self._container_strategy
+
+    @property
+    def cross_device_ops(self) -> CrossDeviceOps | None:
+        """The user's `CrossDeviceOps`, if one was given."""
+        return self._cross_device_ops
+
+    @property
+    def rendezvous(self) -> Rendezvous | None:
+        """Where the local replica threads meet (None: one local replica)."""
+        return self._rendezvous
 
     @property
     def step_handler(self) -> StepHandler:
@@ -250,16 +251,16 @@ class ReplicatedExtended(StrategyExtended):
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         strategy = self._container_strategy
-        if len(self._devices) == 1:
+        if len(self.topology.devices) == 1:
             self._before_run()
             try:
-                # the global id of the one local replica: _global_id(0), inlined
-                replica_ctx = ReplicaContext(strategy, self._worker_index, 0)
+                # the global id of the one local replica: topology.global_id(0), inlined
+                replica_ctx = ReplicaContext(strategy, self.topology.worker_index, 0)
                 args = select_replica(0, args, 1)
                 if kwargs:
                     kwargs = select_replica(0, kwargs, 1)
                 if self._places_arguments:
-                    args, kwargs = arguments_on_device((args, kwargs), self._devices[0])
+                    args, kwargs = arguments_on_device((args, kwargs), self.topology.devices[0])
                 with context._push(strategy, replica_ctx):
                     return fn(*args, **kwargs)
             finally:
@@ -293,25 +294,25 @@ class ReplicatedExtended(StrategyExtended):
         assert self._rendezvous is not None
         with self._thread_lock:
             if self._threads is None:
-                self._threads = ReplicaThreads(self._num_local, self._devices)
+                self._threads = ReplicaThreads(self.topology.num_local, self.topology.devices)
                 self._holder.append(self._threads)
         strategy = self._container_strategy
         rendezvous = self._rendezvous
         rendezvous.reset()
-        n = self._num_local
+        n = self.topology.num_local
 
         def replica_fn(local: int) -> Any:
-            replica_ctx = ReplicaContext(strategy, self._global_id(local), local)
+            replica_ctx = ReplicaContext(strategy, self.topology.global_id(local), local)
             own_args = select_replica(local, args, n)
             own_kwargs = select_replica(local, kwargs, n) if kwargs else {}
             if self._places_arguments:
                 own_args, own_kwargs = arguments_on_device(
-                    (own_args, own_kwargs), self._devices[local]
+                    (own_args, own_kwargs), self.topology.devices[local]
                 )
             with context._push(strategy, replica_ctx):
                 return fn(*own_args, **own_kwargs)
 
-        fns = [functools.partial(replica_fn, i) for i in range(self._num_local)]
+        fns = [functools.partial(replica_fn, i) for i in range(self.topology.num_local)]
         return self._threads.call(
             fns, on_error=lambda i, e: rendezvous.abort(e), on_finish=rendezvous.finish
         )
@@ -332,7 +333,7 @@ class ReplicatedExtended(StrategyExtended):
             if adopted is not None:
                 entries[index] = (weakref.ref(adopted), adopted._ds_owners)
                 self._variables.append(weakref.ref(adopted))
-                self._data_replaced(adopted)
+                self.data_replaced(adopted)
 
     def _live_buffers(self) -> list[DistributedVariable]:
         """The buffers still alive, in creation order (dead references dropped)."""
@@ -348,8 +349,8 @@ class ReplicatedExtended(StrategyExtended):
             self._placement.place()
             self._placement.require_materialized()
         self._broadcast_initial_values()
-        n = len(self._devices)  # not the properties: every `run`
-        if n * self._num_workers > 1 and self._buffers:
+        n = len(self.topology.devices)  # not the properties: every `run`
+        if n * self.topology.num_workers > 1 and self._buffers:
             self._adopt_replaced_buffers()
         if n > 1:
             # `_sync_from_primary` of the copies written in cross-replica code only: the
@@ -372,8 +373,8 @@ class ReplicatedExtended(StrategyExtended):
         lifecycle.placed(placed)
 
     def _after_run(self) -> None:
-        n = len(self._devices)
-        if n * self._num_workers == 1:
+        n = len(self.topology.devices)
+        if n * self.topology.num_workers == 1:
             return
         if n > 1:
             with _torch.DisableTorchFunctionSubclass():  # `_mark_synced`, inlined
@@ -389,10 +390,10 @@ class ReplicatedExtended(StrategyExtended):
         (NOTE [buffer sync]: on the device, no host sync)."""
         if self._buffer_sync is None:
             self._buffer_sync = BufferSync(
-                self._devices,
+                self.topology.devices,
                 self._num_replicas_in_sync(),
-                self._worker_index,
-                self._cross_worker,
+                self.topology.worker_index,
+                self.topology.cross_worker,
             )
         self._buffer_sync.sync(buffers)
 
@@ -417,14 +418,16 @@ class ReplicatedExtended(StrategyExtended):
         # A module's parameters and buffers stay where its code made them until it
         # has initialized them (NOTE [placement]); so does any value on the meta device.
         keep = not self._captures_modules or spec.deferred or value.is_meta
-        var = self._make_variable(value, spec, devices=(value.device,) if keep else self._devices)
+        var = self.make_variable(
+            value, spec, devices=(value.device,) if keep else self.topology.devices
+        )
         if self._captures_modules and keep:
             self._placement.defer(var)
         else:
-            self._register_variable(var)
+            self.register_variable(var)
         return var
 
-    def _make_variable(
+    def make_variable(
         self, value: torch.Tensor, spec: VariableSpec, devices: Sequence[torch.device]
     ) -> DistributedVariable:
         """A variable of this strategy on ``devices``, not yet registered with it."""
@@ -432,7 +435,7 @@ class ReplicatedExtended(StrategyExtended):
         cls: type[DistributedVariable]
         if synchronization is VariableSynchronization.ON_READ:
             cls = SyncOnReadVariable
-        elif self._num_local > 1:
+        elif self.topology.num_local > 1:
             cls = _ReplicatedMirroredVariable
         else:
             cls = MirroredVariable
@@ -452,17 +455,17 @@ class ReplicatedExtended(StrategyExtended):
             is_buffer=is_buffer,
             # Buffers keep a copy per replica even under central storage: kernels
             # update them in place during the forward pass, each from its own batch.
-            alias_components=self._central
+            alias_components=self.topology.central
             and sync is VariableSynchronization.ON_WRITE
             and not is_buffer,
         )
 
-    def _register_variable(self, var: DistributedVariable) -> None:
+    def register_variable(self, var: DistributedVariable) -> None:
         """Makes a placed variable one of this strategy's (syncs, buffers, broadcast)."""
         if var._ds_is_buffer:
             self._buffers.append((weakref.ref(var), var._ds_owners))
         if (
-            self._cross_worker is not None
+            self.topology.cross_worker is not None
             and var._ds_synchronization is not VariableSynchronization.ON_READ
         ):
             self._pending_broadcast.append(var)
@@ -482,14 +485,14 @@ class ReplicatedExtended(StrategyExtended):
             return
         self._placement.set_data(var, value)
 
-    def _variables_changed(self) -> None:
+    def variables_changed(self) -> None:
         self._layout_generation += 1
 
-    def _data_replaced(self, var: DistributedVariable) -> None:
+    def data_replaced(self, var: DistributedVariable) -> None:
         """Every worker takes the chief's new value before the next `run`, as for an
         initial value (a `.data` swap may hold values drawn on each worker)."""
         if (
-            self._cross_worker is not None
+            self.topology.cross_worker is not None
             and var._ds_synchronization is not VariableSynchronization.ON_READ
             and all(v is not var for v in self._pending_broadcast)
         ):
@@ -503,13 +506,13 @@ class ReplicatedExtended(StrategyExtended):
         the next `run`, and sends every pending variable in one packed broadcast.
         Every worker creates the same variables in the same order.
         """
-        if not self._pending_broadcast or self._cross_worker is None:
+        if not self._pending_broadcast or self.topology.cross_worker is None:
             return
         pending, self._pending_broadcast = self._pending_broadcast, []
         primaries = [var.values[0].detach().clone() for var in pending]
-        self._cross_worker.broadcast(primaries, 0, name="initial variable values")
+        self.topology.cross_worker.broadcast(primaries, 0, name="initial variable values")
         for var, primary in zip(pending, primaries):
-            var._write_all("assign", [primary] * self._num_local)
+            var._write_all("assign", [primary] * self.topology.num_local)
 
     def _scope_closing(self) -> None:
         self._placement.place()
@@ -521,7 +524,7 @@ class ReplicatedExtended(StrategyExtended):
 
     def _skip_grads_in_this_replica(self) -> bool:
         # Only central storage hides gradients (read at every `.grad` of a replica).
-        return self._central and self._step_handler.hides_gradients()
+        return self.topology.central and self._step_handler.hides_gradients()
 
     def colocate_vars_with(
         self, colocate_with_variable: Any
@@ -553,7 +556,7 @@ class ReplicatedExtended(StrategyExtended):
         if not isinstance(var, DistributedVariable):  # plain (default), or a shard (FSDP)
             return self._update_one_tensor(var, fn, args, kwargs, group)
         results = []
-        n = 1 if self._central else self._num_local
+        n = 1 if self.topology.central else self.topology.num_local
         with torch.no_grad():
             for i in range(n):
                 component = var._plain_component(i)
@@ -565,7 +568,7 @@ class ReplicatedExtended(StrategyExtended):
 
     # -- collectives in replica context (`_replica_collectives.py`) ----------------------
 
-    def _exchange(
+    def exchange(
         self, local: int, kind: str, payload: Any, combine: Callable[[list[Any]], Any]
     ) -> Any:
         """Runs `combine` over every local replica's payload (inline with one replica)."""
@@ -576,7 +579,7 @@ class ReplicatedExtended(StrategyExtended):
             kinds = {k for k, _ in entries}
             if len(kinds) > 1:
                 described = ", ".join(
-                    f"replica {self._global_id(i)}: {k}" for i, (k, _) in enumerate(entries)
+                    f"replica {self.topology.global_id(i)}: {k}" for i, (k, _) in enumerate(entries)
                 )
                 raise ContextError(
                     f"replicas called different collectives at the same point ({described}); "
@@ -634,13 +637,13 @@ class ReplicatedExtended(StrategyExtended):
     def _input_workers(self) -> Any:
         from distribute.data._workers import InputWorkers
 
-        cross = self._cross_worker
+        cross = self.topology.cross_worker
         if cross is None:  # one worker: InputWorkers' defaults (identity sum and gather)
-            return InputWorkers(devices=self._devices)
+            return InputWorkers(devices=self.topology.devices)
         return InputWorkers(
-            devices=self._devices,
-            worker_index=self._worker_index,
-            num_workers=self._num_workers,
+            devices=self.topology.devices,
+            worker_index=self.topology.worker_index,
+            num_workers=self.topology.num_workers,
             sum_across_workers=lambda n: cross.all_reduce_int(n, "end-of-data agreement"),
             gather_across_workers=functools.partial(gather_bytes, cross),
             collectives=cross,
@@ -662,7 +665,10 @@ class ReplicatedExtended(StrategyExtended):
         from distribute.data.options import ValueContext
 
         n = self._num_replicas_in_sync()
-        results = [value_fn(ValueContext(self._global_id(i), n)) for i in range(self._num_local)]
+        results = [
+            value_fn(ValueContext(self.topology.global_id(i), n))
+            for i in range(self.topology.num_local)
+        ]
         if len(results) == 1 and not self._wrap_single_values:
             return results[0]
         return PerReplica(results)
@@ -692,23 +698,23 @@ class _ReplicaGroup:
 
     @property
     def devices(self) -> tuple[torch.device, ...]:
-        return self._engine._devices
+        return self._engine.topology.devices
 
     @property
     def central_storage(self) -> bool:
-        return self._engine._central
+        return self._engine.topology.central
 
     @property
     def cross_worker(self) -> CrossWorker | None:
-        return self._engine._cross_worker
+        return self._engine.topology.cross_worker
 
     @property
     def num_workers(self) -> int:
-        return self._engine._num_workers
+        return self._engine.topology.num_workers
 
     @property
     def num_replicas_in_sync(self) -> int:
-        return self._engine._num_replicas_in_sync()
+        return self._engine.topology.num_replicas_in_sync
 
     @property
     def bytes_per_pack(self) -> int:
@@ -733,7 +739,7 @@ class _ReplicaGroup:
     def exchange(
         self, local: int, kind: str, payload: Any, combine: Callable[[list[Any]], Any]
     ) -> Any:
-        return self._engine._exchange(local, kind, payload, combine)
+        return self._engine.exchange(local, kind, payload, combine)
 
 
 def arguments_on_device(structure: Any, device: torch.device) -> Any:

@@ -46,6 +46,28 @@ def test_no_module_reads_a_strategys_private_attribute_by_name() -> None:
     assert not found, found
 
 
+def test_the_replicated_engines_parts_read_its_topology_and_host_not_its_privates() -> None:
+    """NOTE [the replica host]: placement, the replica collectives and the cross-replica
+    reductions read the engine through `ReplicaTopology` and `ReplicaHost` only, and do
+    not name the engine's class."""
+    strategies = PACKAGE / "strategies"
+    found = []
+    for name in ("_placement.py", "_replica_collectives.py", "_cross_replica.py"):
+        path = strategies / name
+        text = path.read_text()
+        if "ReplicatedExtended" in text.replace("`ReplicatedExtended", ""):
+            found.append(f"{name}: names ReplicatedExtended")
+        for node in ast.walk(ast.parse(text, str(path))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and ast.unparse(node.value).split(".")[-1] in ("ext", "_ext", "_topology")
+            ):
+                found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, found
+
+
 def test_the_gradient_layer_reads_no_engine_attribute_and_writes_none() -> None:
     found = []
     for path, tree in _sources(PACKAGE / "gradients"):
