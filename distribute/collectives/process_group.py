@@ -38,6 +38,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -158,12 +159,12 @@ class ProcessGroupCollectives:
         #: A sub-group's world (weakly) and how it names a rank: `subgroup`.
         self._world: tuple[weakref.ref[ProcessGroupCollectives], Any] | None = None
         self._int_buffer = self._on_device(torch.zeros(1, dtype=torch.int64))
-        # Asynchronous works launched and maybe not waited for (see `_close`).
+        # Works maybe not waited for (`_close`); the last ones waited for (NOTE [works at exit]).
         self._launched: list[Any] = []
+        self._recent: collections.deque[Any] = collections.deque(maxlen=4)
         self._users = share_group(group, created=owns_group)
-        self._finalizer = weakref.finalize(
-            self, close_group, self._liveness, self._users, self._broken, self._launched
-        )
+        held = (self._liveness, self._users, self._broken, self._launched, self._recent)
+        self._finalizer = weakref.finalize(self, close_group, *held)
 
     @classmethod
     def create(
@@ -290,6 +291,7 @@ class ProcessGroupCollectives:
         state.waiting = position
         try:
             self._wait_until_done(work, position, start)
+            self._recent.append(work)
         except (KeyboardInterrupt, SystemExit) as exc:
             # Ctrl-C (or an exit) while a peer has not arrived: the group is left
             # broken, so that the process can exit now instead of waiting for the
@@ -786,10 +788,9 @@ class ProcessGroupCollectives:
         """Stops the watcher and leaves the process group: destroys it if the library
         initialised it and no other collectives object uses it any more.
 
-        Idempotent, and run automatically when the object is collected or the
-        interpreter exits. A group broken by a failed collective is left to the
-        process's exit, since destroying it would wait for the abandoned
-        collective.
+        Idempotent, and run automatically when the object is collected or the interpreter
+        exits. A group broken by a failed collective is left to the process's exit, since
+        destroying it would wait for the abandoned collective.
         """
         if self._closed:
             return
