@@ -254,12 +254,11 @@ def close_group(
     if liveness is not None:
         liveness.stop()
     abandoned = not all(work.is_completed() for work in launched)
-    works = [*launched, *recent]
+    if _EXITING[0]:
+        for work in {id(w): w for w in [*launched, *recent]}.values():
+            _never_free(work)
     launched.clear()  # a work holds the group, and the group the store's server port
     recent.clear()
-    if _EXITING[0]:
-        for work in works:
-            _keep_until_exit(work)
     if users is not None:
         if state[0] is not None:
             logger.debug("leaving a process group that broke: %s", state[0])
@@ -344,9 +343,14 @@ weakref.finalize(_mark_exiting, _mark_exiting).atexit = False
 atexit.register(_mark_exiting)
 
 
+def _never_free(obj: Any) -> None:
+    """Takes a reference to ``obj`` that is never released, not even when the
+    interpreter clears modules at exit: its destructor never runs."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
 def _keep_until_exit(group: Any) -> None:
-    """Takes a reference to ``group`` (or a work) that is never released, not even when
-    the interpreter clears modules at exit: its destructor must never run."""
+    """Keeps ``group``, abandoned, for good (`_never_free`): no strategy adopts it again."""
     if group is not None and id(group) not in _ABANDONED:
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+        _never_free(group)
         _ABANDONED.add(id(group))

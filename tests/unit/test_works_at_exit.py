@@ -46,7 +46,11 @@ def test_a_group_closed_at_the_interpreters_exit_keeps_its_works_for_good(
     _group_setup.close_group(None, None, [None], [], recent)
     assert recent == []
     assert sys.getrefcount(work) == count + 1  # one reference that is never released
-    assert id(work) in _group_setup._ABANDONED
+    assert id(work) not in _group_setup._ABANDONED  # a work, not an abandoned group
+    both = _Work()  # launched, and waited for since: kept once
+    count = sys.getrefcount(both)
+    _group_setup.close_group(None, None, [None], [both], [both])
+    assert sys.getrefcount(both) == count + 1
 
 
 def test_the_finalizers_that_close_groups_at_exit_see_the_exit() -> None:
