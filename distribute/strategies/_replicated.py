@@ -170,7 +170,7 @@ class ReplicatedExtended(StrategyExtended):
         # Variables registered so far (never decreases): a new model since a step ran.
         self._variables_made = 0
         self._buffer_sync: BufferSync | None = None
-        n = len(self.topology.devices)
+        n = self.topology.num_local
         self._rendezvous = Rendezvous(n, self._timeout, self.topology.devices) if n > 1 else None
         self._threads: ReplicaThreads | None = None
         self._thread_lock = threading.Lock()
@@ -251,7 +251,7 @@ class ReplicatedExtended(StrategyExtended):
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         strategy = self._container_strategy
-        if len(self.topology.devices) == 1:
+        if self.topology.num_local == 1:
             self._before_run()
             try:
                 # the global id of the one local replica: topology.global_id(0), inlined
@@ -349,10 +349,10 @@ class ReplicatedExtended(StrategyExtended):
             self._placement.place()
             self._placement.require_materialized()
         self._broadcast_initial_values()
-        n = len(self.topology.devices)  # not the properties: every `run`
-        if n * self.topology.num_workers > 1 and self._buffers:
+        topology = self.topology
+        if topology.num_replicas_in_sync > 1 and self._buffers:
             self._adopt_replaced_buffers()
-        if n > 1:
+        if topology.num_local > 1:
             # `_sync_from_primary` of the copies written in cross-replica code only: the
             # versions read here, without a call per variable.
             with _torch.DisableTorchFunctionSubclass():
@@ -373,10 +373,10 @@ class ReplicatedExtended(StrategyExtended):
         lifecycle.placed(placed)
 
     def _after_run(self) -> None:
-        n = len(self.topology.devices)
-        if n * self.topology.num_workers == 1:
+        topology = self.topology
+        if topology.num_replicas_in_sync == 1:
             return
-        if n > 1:
+        if topology.num_local > 1:
             with _torch.DisableTorchFunctionSubclass():  # `_mark_synced`, inlined
                 for var in self._live_variables():
                     if var._ds_synchronization is not VariableSynchronization.ON_READ:
@@ -391,7 +391,7 @@ class ReplicatedExtended(StrategyExtended):
         if self._buffer_sync is None:
             self._buffer_sync = BufferSync(
                 self.topology.devices,
-                self._num_replicas_in_sync(),
+                self.topology.num_replicas_in_sync,
                 self.topology.worker_index,
                 self.topology.cross_worker,
             )
@@ -664,7 +664,7 @@ class ReplicatedExtended(StrategyExtended):
     def _distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         from distribute.data.options import ValueContext
 
-        n = self._num_replicas_in_sync()
+        n = self.topology.num_replicas_in_sync
         results = [
             value_fn(ValueContext(self.topology.global_id(i), n))
             for i in range(self.topology.num_local)
