@@ -8,6 +8,7 @@ import enum
 from distribute.errors import InvalidArgumentError
 
 __all__ = [
+    "REDUCE_OP_NAMES",
     "ReduceOp",
     "StepRunner",
     "VariableAggregation",
@@ -46,6 +47,13 @@ class ReduceOp(enum.Enum):
 
 #: ReduceOp by name, for `ReduceOp.from_value`.
 _REDUCE_OPS: dict[str, ReduceOp] = {op.name: op for op in ReduceOp}
+#: The names `reduce` is most often given ("sum", "SUM", ...), looked up without a
+#: call; other spellings go through `ReduceOp.from_value`.
+REDUCE_OP_NAMES: dict[str, ReduceOp] = {
+    **_REDUCE_OPS,
+    **{op.name.lower(): op for op in ReduceOp},
+    **{op.name.capitalize(): op for op in ReduceOp},
+}
 
 
 class VariableSynchronization(enum.Enum):

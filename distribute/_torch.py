@@ -71,6 +71,7 @@ __all__ = [
     "flatten_dense_tensors",
     "function_mode_stack_depth",
     "is_leaf_property",
+    "foreach_add",
     "foreach_add_",
     "foreach_copy_",
     "fsdp_comm_hook_bases",
@@ -129,6 +130,7 @@ flatten_dense_tensors: Callable[[list[torch.Tensor]], torch.Tensor] = (
     torch._C._nn.flatten_dense_tensors
 )
 #: In-place foreach kernels (gradient sums, buffer copies): one kernel for many tensors.
+foreach_add: Callable[..., Any] = torch._foreach_add
 foreach_add_: Callable[..., Any] = torch._foreach_add_
 foreach_copy_: Callable[..., Any] = torch._foreach_copy_
 #: Autograd's engine: `queue_callback` runs a function when the backward pass ends

@@ -34,7 +34,8 @@ def compute_average_loss(
         >>> float(ds.compute_average_loss(torch.tensor([1.0, 2.0, 3.0]), global_batch_size=6))
         1.0
     """
-    per_example_loss = torch.as_tensor(per_example_loss)
+    if type(per_example_loss) is not torch.Tensor:
+        per_example_loss = torch.as_tensor(per_example_loss)
     if per_example_loss.dim() == 0:
         raise InvalidArgumentError(
             "compute_average_loss expects per-example losses of rank >= 1 (one value per "

@@ -14,7 +14,7 @@ from distribute.values import (
     pack_sequence_as,
 )
 
-__all__ = ["make_numpy_dataset"]
+__all__ = ["Collated", "collate_arrays", "make_numpy_dataset"]
 
 
 class _ArrayDataset(torch.utils.data.Dataset[Any]):
@@ -36,18 +36,18 @@ class _ArrayDataset(torch.utils.data.Dataset[Any]):
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
         index = torch.as_tensor(indices)
-        return [_Collated(pack_sequence_as(self._structure, [x[index] for x in self._leaves]))]
+        return [Collated(pack_sequence_as(self._structure, [x[index] for x in self._leaves]))]
 
 
-class _Collated:
-    """A batch already gathered by fancy indexing; `_collate_arrays` unwraps it."""
+class Collated:
+    """A batch already gathered by fancy indexing; `collate_arrays` unwraps it."""
 
     def __init__(self, batch: Any) -> None:
         self.batch = batch
 
 
-def _collate_arrays(items: list[Any]) -> Any:
-    if len(items) == 1 and isinstance(items[0], _Collated):
+def collate_arrays(items: list[Any]) -> Any:
+    if len(items) == 1 and isinstance(items[0], Collated):
         return items[0].batch
     return torch.utils.data.default_collate(items)
 
@@ -84,5 +84,5 @@ def make_numpy_dataset(
         batch_size=batch_size,
         sampler=sampler,
         drop_last=drop_last,
-        collate_fn=_collate_arrays,
+        collate_fn=collate_arrays,
     )

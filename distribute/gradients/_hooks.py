@@ -27,6 +27,7 @@ nothing until some strategy of several replicas has made a variable.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import threading
@@ -60,6 +61,37 @@ _plans: weakref.WeakKeyDictionary[
     Optimizer,
     tuple[tuple[int, ...], weakref.ref[Strategy], list[weakref.ref[DistributedVariable]]],
 ] = weakref.WeakKeyDictionary()
+
+
+# NOTE [quiet steps]
+# Where the handler says an optimizer's steps need nothing from it (one replica in
+# sync: no sum, no per-replica groups, no shared copy; `StepHandler.steps_quietly`),
+# its plan is also kept here, by the optimizer's id, and the hooks of a later step
+# only check, with C-level calls, that the plan still holds (the same optimizer,
+# strategy and parameters, every variable alive, no early sum pending): the one-
+# replica step's hooks cost two Python calls instead of a dozen (issue 40).
+_quiet: dict[
+    int,
+    tuple[
+        weakref.ref[Optimizer],
+        tuple[int, ...],
+        weakref.ref[Strategy],
+        list[weakref.ref[DistributedVariable]],
+    ],
+] = {}
+_PARAMS = operator.itemgetter("params")
+_NONES = itertools.repeat(None)
+
+
+def _forget_quiet(key: int, ref: weakref.ref[Optimizer]) -> None:
+    entry = _quiet.get(key)
+    if entry is not None and entry[0] is ref:
+        del _quiet[key]
+
+
+def _params_key(optimizer: Optimizer) -> tuple[int, ...]:
+    """The ids of the optimizer's parameters, in order (C-level maps: no frame each)."""
+    return tuple(map(id, itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups))))
 
 
 def _planned(
@@ -107,6 +139,7 @@ def _variables_of(optimizer: Optimizer, strategy: Strategy) -> list[DistributedV
     give wrong numbers (NOTE [refused steps])."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     key = tuple(map(id, params))
+    _quiet.pop(id(optimizer), None)  # made again below, if still quiet
     cached = _plans.get(optimizer)
     if cached is not None and cached[0] == key:
         planned = _planned(optimizer, strategy, cached)
@@ -162,7 +195,13 @@ def _variables_of(optimizer: Optimizer, strategy: Strategy) -> list[DistributedV
             "the same tensor unsynchronized. Build the model and its optimizer inside "
             "`with strategy.scope():` so that its parameters become MirroredVariables"
         )
-    _plans[optimizer] = (key, weakref.ref(strategy), [weakref.ref(v) for v in own])
+    refs = [weakref.ref(v) for v in own]
+    _plans[optimizer] = (key, weakref.ref(strategy), refs)
+    handler = strategy.extended.step_handler
+    if own and handler is not None and handler.steps_quietly(optimizer):
+        key_of = id(optimizer)
+        ref = weakref.ref(optimizer, functools.partial(_forget_quiet, key_of))
+        _quiet[key_of] = (ref, key, weakref.ref(strategy), refs)
     return own
 
 
@@ -200,10 +239,24 @@ def forget_early_sums(optimizer_ids: Iterable[int]) -> None:
 
 
 def _pre_step_hook(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-    running = _running()
-    if running is None:
+    stack = context._state.stack
+    top = stack[-1] if stack else None
+    if top is None or top.replica_context is None:
         if DistributedVariable._ds_any_replicated:
             _check_step_outside_run(optimizer)
+        return
+    quiet = _quiet.get(id(optimizer))
+    if (  # NOTE [quiet steps]
+        quiet is not None
+        and quiet[0]() is optimizer
+        and quiet[2]() is top.strategy
+        and quiet[1] == _params_key(optimizer)
+        and not any(map(operator.is_, map(weakref.ref.__call__, quiet[3]), _NONES))
+        and not _early.summed
+    ):
+        return
+    running = _running()
+    if running is None:
         return
     strategy, handler, local = running
     variables = _variables_of(optimizer, strategy)
@@ -216,6 +269,12 @@ def _pre_step_hook(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
 
 
 def _post_step_hook(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    stack = context._state.stack
+    if not stack or stack[-1].replica_context is None:
+        return
+    quiet = _quiet.get(id(optimizer))
+    if quiet is not None and quiet[0]() is optimizer and quiet[2]() is stack[-1].strategy:
+        return  # NOTE [quiet steps]: nothing to finish
     running = _running()
     if running is None:
         return

@@ -147,6 +147,12 @@ class StepHandler(Protocol):
         """Finishes the update (e.g. waits until a shared copy is written)."""
         ...
 
+    def steps_quietly(self, optimizer: Optimizer) -> bool:
+        """Whether `before_step` and `after_step` would do nothing for ``optimizer``'s
+        steps for as long as its parameters stay the same (one replica in sync): the
+        hooks then skip them (NOTE [quiet steps] in `_hooks.py`)."""
+        ...
+
     def check_step_outside_run(
         self, optimizer: Optimizer, variables: Sequence[DistributedVariable]
     ) -> None:

@@ -51,6 +51,10 @@ class ShardedStepHandler:
     def check_step_outside_run(self, optimizer: Optimizer, variables: Sequence[Any]) -> None:
         """A step outside `run` is exact too: the gradients were summed in backward."""
 
+    def steps_quietly(self, optimizer: Optimizer) -> bool:
+        """Never: each step gathers or reshards."""
+        return False
+
     def hides_gradients(self) -> bool:
         """Never: each worker steps its own shards."""
         return False

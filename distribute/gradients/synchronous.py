@@ -224,6 +224,13 @@ class SynchronousStepHandler:
         # Replicas wait until replica 0 has updated the one shared copy.
         self._group.exchange(local, "optimizer step (central storage)", None, lambda _: None)
 
+    def steps_quietly(self, optimizer: Optimizer) -> bool:
+        """One replica in sync, no central storage, the variables themselves stepped:
+        `before_step` makes no per-replica state, sums nothing and shows no groups,
+        and `after_step` has nothing to put back or wait for."""
+        several, in_sync, central = self._fixed or self._replicas()
+        return not several and in_sync == 1 and not central and not self._plain_tensors(optimizer)
+
     def hides_gradients(self) -> bool:
         """True in a replica other than 0 during a central-storage step."""
         return bool(getattr(self._hidden, "value", False))

@@ -213,6 +213,10 @@ class MeshStepHandler:
     def check_step_outside_run(self, optimizer: Optimizer, variables: Sequence[Any]) -> None:
         """A step outside `run` is exact too: backward summed the gradients."""
 
+    def steps_quietly(self, optimizer: Optimizer) -> bool:
+        """Never: the batch groups sum at each step."""
+        return False
+
     def hides_gradients(self) -> bool:
         """Never: each worker steps its own part of every parameter."""
         return False

@@ -64,6 +64,14 @@ class CrossReplicaReductions:
 
     def reduce(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
         if isinstance(value, (torch.Tensor, DistributedValues)):  # a leaf: no nest walk
+            topology = self._topology
+            if (  # `reduce_leaf`'s first case, inlined: a plain tensor, one worker
+                type(value) is torch.Tensor
+                and axis is None
+                and topology.num_workers == 1
+                and (op is ReduceOp.MEAN or topology.num_replicas_in_sync == 1)
+            ):
+                return value
             return self.reduce_leaf(op, value, axis)
         return pack_sequence_as(
             value, [self.reduce_leaf(op, leaf, axis) for leaf in flatten(value)]

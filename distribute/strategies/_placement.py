@@ -82,7 +82,8 @@ class VariablePlacement:
         self._topology = ext.topology  # fixed: read without the engine
         # Created in scope, not yet placed, in creation order (the same on every
         # worker). Held strongly: `swap_tensors` refuses tensors with weak references.
-        self._unplaced: list[DistributedVariable] = []
+        # Read by the engine at every one-replica `run` (an attribute, not a call).
+        self.unplaced: list[DistributedVariable] = []
 
     @property
     def _ext(self) -> ReplicaHost:
@@ -90,26 +91,21 @@ class VariablePlacement:
         assert ext is not None
         return ext
 
-    @property
-    def pending(self) -> bool:
-        """Whether some variable waits to be placed."""
-        return bool(self._unplaced)
-
     def defer(self, var: DistributedVariable) -> None:
         """Keeps ``var`` where it is until `place`."""
         var._ds_placed = False
-        self._unplaced.append(var)
+        self.unplaced.append(var)
 
     # -- placing -----------------------------------------------------------------------
 
     def place(self, only: DistributedVariable | None = None) -> None:
         """Places every unplaced variable (or ``only``) that is not on the meta device;
         adopts the plain tensors that replaced one in a module."""
-        if not self._unplaced:
+        if not self.unplaced:
             return
         waiting: list[DistributedVariable] = []
         adopted: dict[int, DistributedVariable] = {}
-        for var in self._unplaced:
+        for var in self.unplaced:
             if only is not None and var is not only:
                 waiting.append(var)
                 continue
@@ -120,13 +116,13 @@ class VariablePlacement:
                 waiting.append(var)
                 continue
             self._place_one(var)
-        self._unplaced = waiting
+        self.unplaced = waiting
         for var in adopted.values():
             self._place_one(var)
 
     def require_materialized(self) -> None:
         """Raises when a variable a module still holds is on the meta device (`run`)."""
-        for var in self._unplaced:
+        for var in self.unplaced:
             if var.is_meta:
                 names = [name for _, name in _slots(var)] or ["(a variable)"]
                 raise InvalidArgumentError(

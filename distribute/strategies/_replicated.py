@@ -251,20 +251,38 @@ class ReplicatedExtended(StrategyExtended):
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         strategy = self._container_strategy
-        if self.topology.num_local == 1:
-            self._before_run()
+        topology = self.topology
+        if topology.num_local == 1:
+            # NOTE [one replica's run]: the steady step of one replica makes no call
+            # that has nothing to do (issue 40): `_before_run` only where a lifecycle,
+            # an unplaced variable, a pending broadcast or buffers to adopt ask for it,
+            # `_after_run` only with several replicas in sync, no selection among
+            # arguments that are all tensors, and the replica's context pushed inline.
+            if (
+                self._lifecycle is not None
+                or self._placement.unplaced
+                or self._pending_broadcast
+                or (self._buffers and topology.num_replicas_in_sync > 1)
+            ):
+                self._before_run()
             try:
                 # the global id of the one local replica: topology.global_id(0), inlined
-                replica_ctx = ReplicaContext(strategy, self.topology.worker_index, 0)
-                args = select_replica(0, args, 1)
+                replica_ctx = ReplicaContext(strategy, topology.worker_index, 0)
+                if not _TENSOR_TYPE.issuperset(map(type, args)):  # C-level: no frame
+                    args = select_replica(0, args, 1)
                 if kwargs:
                     kwargs = select_replica(0, kwargs, 1)
                 if self._places_arguments:
-                    args, kwargs = arguments_on_device((args, kwargs), self.topology.devices[0])
-                with context._push(strategy, replica_ctx):
+                    args, kwargs = arguments_on_device((args, kwargs), topology.devices[0])
+                stack = context._state.stack
+                stack.append(context._Entry(strategy, replica_ctx))
+                try:
                     return fn(*args, **kwargs)
+                finally:
+                    stack.pop()
             finally:
-                self._after_run()
+                if topology.num_replicas_in_sync > 1:
+                    self._after_run()
         self._claim_run()
         try:
             self._before_run()
@@ -345,7 +363,7 @@ class ReplicatedExtended(StrategyExtended):
     def _before_run(self) -> None:
         if self._lifecycle is not None:
             self._lifecycle.before_run()
-        if self._placement.pending:
+        if self._placement.unplaced:
             self._placement.place()
             self._placement.require_materialized()
         self._broadcast_initial_values()
@@ -755,6 +773,9 @@ def arguments_on_device(structure: Any, device: torch.device) -> Any:
         for leaf in leaves
     ]
     return pack_sequence_as(structure, moved)
+
+
+_TENSOR_TYPE = frozenset((torch.Tensor,))
 
 
 def _shutdown_threads(holder: list[ReplicaThreads]) -> None:

@@ -27,6 +27,7 @@ import torch
 
 from distribute import _marks, _torch, context
 from distribute._enums import (
+    REDUCE_OP_NAMES,
     ReduceOp,
     StepRunner,
     VariableSpec,
@@ -101,7 +102,8 @@ class StrategyExtended(abc.ABC):
         Refuses `run` inside `run` or inside a merge_fn (every engine), then runs the
         engine's `_run_replicas`.
         """
-        top = context._top()
+        stack = context._state.stack  # `context._top()`, inlined: once every step
+        top = stack[-1] if stack else None
         if top is not None and top.replica_context is not None:
             raise ContextError(
                 f"`run` was called inside `run` of {top.strategy!r}; call `run` once per "
@@ -573,10 +575,17 @@ class Strategy:
             >>> float(s.reduce("mean", v, axis=0))   # 21 / 6
             3.5
         """
-        context.require_cross_replica(
-            self, "reduce", "use ds.get_replica_context().all_reduce() or merge_call() there"
+        stack = context._state.stack  # the cross-replica check, inlined: once every step
+        if stack and stack[-1].replica_context is not None:
+            context.require_cross_replica(
+                self, "reduce", "use ds.get_replica_context().all_reduce() or merge_call() there"
+            )
+        op = (
+            reduce_op
+            if type(reduce_op) is ReduceOp
+            else (type(reduce_op) is str and REDUCE_OP_NAMES.get(reduce_op))
+            or ReduceOp.from_value(reduce_op)
         )
-        op = ReduceOp.from_value(reduce_op)
         return self._extended._reduce(op, value, axis)
 
     def gather(self, value: Any, axis: int) -> Any:

@@ -25,10 +25,10 @@ from torch.utils.data import (
     IterableDataset,
     RandomSampler,
     TensorDataset,
-    default_collate,
 )
 from torch.utils.data.distributed import DistributedSampler
 
+from distribute.data._arrays import Collated, collate_arrays
 from distribute.data._sources import _SeededRandomSampler
 from distribute.data.dataset import DistributedDataset, DistributedDatasetsFromFunction
 from distribute.errors import InvalidArgumentError
@@ -144,7 +144,7 @@ def adapt(
             )
         if len(arrays[0]) == 0:
             raise InvalidArgumentError("got no data: x has no examples")
-        dataset = TensorDataset(*arrays)
+        dataset = _Tensors(*arrays)
         sampler = None
         if shuffle:
             # An order that is a function of (seed, epoch) alone, the seed agreed by
@@ -162,7 +162,7 @@ def adapt(
             sampler=sampler,
             collate_fn=_PadToFull(size, add_weights=y is not None and sample_weight is None)
             if pad
-            else None,
+            else collate_arrays,
         )
     elif isinstance(x, dict) or isinstance(y, dict):
         raise InvalidArgumentError(
@@ -218,6 +218,17 @@ def local_batch_size(strategy: Any, batch: Any) -> int:
     raise InvalidArgumentError("cannot tell the batch size: the batch's x has no tensor")
 
 
+class _Tensors(TensorDataset):
+    """A `TensorDataset` that gathers a batch with one index per tensor, as Keras
+    slices its arrays: DataLoader's fetcher calls ``__getitems__`` with the batch's
+    indices, where a plain TensorDataset would build every example and stack them
+    (64 items and a collate: most of `fit`'s host time a step on a small model)."""
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        index = torch.as_tensor(indices)
+        return [Collated(tuple(t[index] for t in self.tensors))]
+
+
 class _PadToFull:
     """Collates a batch of (x[, y[, sample_weight]]) and pads a partial one to
     ``size`` rows of zeros. With targets the padding rows weigh 0: every batch gets a
@@ -229,8 +240,8 @@ class _PadToFull:
         self._add_weights = add_weights
 
     def __call__(self, samples: list[Any]) -> tuple[torch.Tensor, ...]:
-        parts = list(default_collate(samples))
-        n = len(samples)
+        parts = list(collate_arrays(samples))
+        n = len(parts[0])
         if self._add_weights:
             parts.append(torch.ones(n))
         missing = self._size - n
