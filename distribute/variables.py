@@ -506,6 +506,7 @@ def _swap(value: Any, running: tuple[Strategy, int] | None) -> Any:
 
 
 _VISITED = (DistributedVariable, list, tuple, dict)
+_NESTS = (list, tuple, dict)
 
 
 def _refuse_other_strategy(value: DistributedVariable, running: Strategy) -> None:
@@ -528,6 +529,39 @@ def _running_replica() -> tuple[Strategy, int] | None:
 
 
 def _dispatch(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    stack = context._state.stack
+    if stack:
+        top = stack[-1]
+        replica_ctx = top.replica_context
+        if replica_ctx is not None:
+            # NOTE [the op inside run]: most ops a replica makes have flat arguments,
+            # each a plain value or a mirrored variable of the running strategy
+            # (`F.linear(x, weight, bias)`, `param.add_(grad, alpha=...)`): they are
+            # swapped in this loop, with no frame per argument (issue 40: `_swap`'s
+            # frames were most of a dispatch). Anything else takes `_swap`.
+            replica = replica_ctx._local_replica_id
+            strategy = top.strategy
+            swapped: list[Any] = []
+            for value in args:
+                if isinstance(value, DistributedVariable):
+                    if value._ds_strategy is not strategy or isinstance(value, SyncOnReadVariable):
+                        break
+                    if replica:
+                        value = value._ds_components[replica - 1]
+                elif isinstance(value, _NESTS):
+                    break
+                swapped.append(value)
+            else:
+                if kwargs:
+                    for value in kwargs.values():
+                        if isinstance(value, _VISITED):
+                            break
+                    else:
+                        with _torch.DisableTorchFunctionSubclass():
+                            return func(*swapped, **kwargs)
+                else:
+                    with _torch.DisableTorchFunctionSubclass():
+                        return func(*swapped)
     running = _running_replica()
     args = _swap(args, running)
     if kwargs:

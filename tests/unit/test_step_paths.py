@@ -218,3 +218,27 @@ def test_one_replicas_steady_step_runs_no_step_handler() -> None:
         next(counted, None)
     assert calls[0] == 0
     assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_an_op_inside_run_reads_its_replicas_copy_however_the_variable_is_passed() -> None:
+    """Positional (the loop of NOTE [the op inside run]), keyword and nested
+    arguments (`_swap`) all give each replica its own copy."""
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
+    with strategy.scope():
+        v = ds.Variable(torch.zeros(2))
+
+    def fn() -> tuple[torch.Tensor, ...]:
+        local = ds.get_replica_context().replica_id_in_sync_group
+        v.assign(torch.full((2,), float(local)))  # each replica's own copy differs
+        zero = torch.zeros(2)
+        return (
+            torch.add(zero, v),
+            torch.add(zero, other=v),
+            torch.stack([v, zero]).sum(0),
+            v * 1.0,
+        )
+
+    results = strategy.run(fn)
+    for column in results:
+        got = [float(t[0].detach()) for t in strategy.experimental_local_results(column)]
+        assert got == [0.0, 1.0, 2.0]
