@@ -14,7 +14,7 @@ from distribute.values import (
     pack_sequence_as,
 )
 
-__all__ = ["Collated", "collate_arrays", "make_numpy_dataset"]
+__all__ = ["Collated", "Tensors", "collate_arrays", "make_numpy_dataset"]
 
 
 class _ArrayDataset(torch.utils.data.Dataset[Any]):
@@ -37,6 +37,31 @@ class _ArrayDataset(torch.utils.data.Dataset[Any]):
     def __getitems__(self, indices: list[int]) -> list[Any]:
         index = torch.as_tensor(indices)
         return [Collated(pack_sequence_as(self._structure, [x[index] for x in self._leaves]))]
+
+
+class Tensors(torch.utils.data.TensorDataset):
+    """A `TensorDataset` that gathers a batch with one index per tensor, as Keras
+    slices its arrays and `tf.data` batches its slices (NOTE [batched tensor
+    datasets] in `_sources.py`): DataLoader's fetcher calls ``__getitems__`` with the
+    batch's indices, where a plain TensorDataset builds every example and
+    ``default_collate`` stacks them. Same values, dtypes, shapes and containers."""
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        tensors = self.tensors
+        if any(t.device.type != "cpu" for t in tensors):
+            # An index would be copied to the device, a host sync a batch: the
+            # examples one by one instead, as a TensorDataset gives them.
+            return [tuple(t[i] for t in tensors) for i in indices]
+        start = indices[0] if indices else 0
+        if indices == list(range(start, start + len(indices))):  # unshuffled: a slice,
+            # copied (a batch never shares memory with the dataset, as a stack does not)
+            rows = slice(start, start + len(indices))
+            batch = [torch.clone(t[rows], memory_format=torch.contiguous_format) for t in tensors]
+        else:
+            index = torch.as_tensor(indices)  # on the CPU, with the tensors
+            batch = [t[index] for t in tensors]
+        # A list, as `default_collate` makes of tuple examples.
+        return [Collated(batch)]
 
 
 class Collated:

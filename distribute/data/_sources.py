@@ -13,10 +13,19 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    TensorDataset,
+    default_collate,
+)
 from torch.utils.data.distributed import DistributedSampler
 
 from distribute.data import _position, sharding
+from distribute.data._arrays import Tensors, collate_arrays
 from distribute.data._batches import _MISSING
 from distribute.data._workers import InputWorkers
 from distribute.data.options import (
@@ -245,9 +254,32 @@ def _agree_seed(workers: InputWorkers, seed: int) -> int:
     return workers.sum_across_workers(seed if workers.worker_index == 0 else 0)
 
 
+def _batched_tensors(loader: DataLoader[Any]) -> DataLoader[Any]:
+    """NOTE [batched tensor datasets]: a plain DataLoader over a plain `TensorDataset`
+    with torch's default collation (the tutorials' loader) is read through `Tensors`,
+    which gathers each batch with one index per tensor: the same batches, without a
+    Python call and a stack per example (issue 40: ~100 us of a 64-example step, on
+    the host, every step). Its batch sampler and sampler are kept, so epochs,
+    shuffling and positions are the user's. Any other loader is read as it is."""
+    if (
+        type(loader) is not DataLoader
+        or type(loader.dataset) is not TensorDataset
+        or loader.collate_fn is not default_collate
+        or loader.batch_sampler is None
+    ):
+        return loader
+    return _rebuild_loader(
+        loader,
+        dataset=Tensors(*loader.dataset.tensors),
+        batch_sampler=loader.batch_sampler,
+        collate_fn=collate_arrays,
+    )
+
+
 def _loader_source(
     loader: DataLoader[Any], workers: InputWorkers, policy: AutoShardPolicy
 ) -> _Source:
+    loader = _batched_tensors(loader)
     multi = workers.num_workers > 1
     dataset = loader.dataset
     if (

@@ -24,11 +24,10 @@ from torch.utils.data import (
     Dataset,
     IterableDataset,
     RandomSampler,
-    TensorDataset,
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from distribute.data._arrays import Collated, collate_arrays
+from distribute.data._arrays import Tensors, collate_arrays
 from distribute.data._sources import _SeededRandomSampler
 from distribute.data.dataset import DistributedDataset, DistributedDatasetsFromFunction
 from distribute.errors import InvalidArgumentError
@@ -144,7 +143,7 @@ def adapt(
             )
         if len(arrays[0]) == 0:
             raise InvalidArgumentError("got no data: x has no examples")
-        dataset = _Tensors(*arrays)
+        dataset = Tensors(*arrays)
         sampler = None
         if shuffle:
             # An order that is a function of (seed, epoch) alone, the seed agreed by
@@ -216,17 +215,6 @@ def local_batch_size(strategy: Any, batch: Any) -> int:
         if all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in local):
             return sum(int(t.shape[0]) for t in local)
     raise InvalidArgumentError("cannot tell the batch size: the batch's x has no tensor")
-
-
-class _Tensors(TensorDataset):
-    """A `TensorDataset` that gathers a batch with one index per tensor, as Keras
-    slices its arrays: DataLoader's fetcher calls ``__getitems__`` with the batch's
-    indices, where a plain TensorDataset would build every example and stack them
-    (64 items and a collate: most of `fit`'s host time a step on a small model)."""
-
-    def __getitems__(self, indices: list[int]) -> list[Any]:
-        index = torch.as_tensor(indices)
-        return [Collated(tuple(t[index] for t in self.tensors))]
 
 
 class _PadToFull:

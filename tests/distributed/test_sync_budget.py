@@ -50,6 +50,11 @@ EQUAL_BUDGET = 0
 TOLIST_BUDGET = 0
 #: `torch.tensor(python_values)` (aten.lift_fresh): on a GPU, a blocking host-to-device copy.
 TENSOR_FROM_PYTHON_BUDGET = 0
+#: The input's batch index (NOTE [batched tensor datasets]): a shuffled TensorDataset's
+#: batch is gathered with one index tensor made from the sampler's indices, on the CPU
+#: where the dataset's tensors are (no copy to a device, so no sync). Counted apart so
+#: that any other tensor made from Python values still counts above.
+INPUT_INDEX_BUDGET = 1
 #: `nonzero`, `masked_select`, `unique`, ...: the host waits to learn the output's size.
 DATA_DEPENDENT_SHAPE_BUDGET = 0
 #: Gradient all-reduces: one per bucket; both models are far below the first bucket (1 MiB).
@@ -189,9 +194,30 @@ class _SyncMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self._counts.steps[-1]["aten ops seen"] += 1  # the mode is not blind
         kind = _SYNC_OPS.get(func)
+        if kind == "tensor_from_python" and _is_input_index(sys._getframe(1), args[0]):
+            kind = "input_index"
         if kind is not None:
             self._counts.add(kind, sys._getframe(1))
         return func(*args, **(kwargs or {}))
+
+
+_ARRAYS = str(_PACKAGE / "data" / "_arrays.py")
+
+
+def _is_input_index(frame: Any, tensor: torch.Tensor) -> bool:
+    """A CPU tensor made by the input pipeline's batched gather (`Tensors.__getitems__`)."""
+    if tensor.device.type != "cpu":
+        return False
+    for _ in range(8):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "__getitems__" and code.co_filename == str(
+            _PACKAGE / "data" / "_arrays.py"
+        ):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _install(counts: _Counts) -> None:
@@ -280,6 +306,7 @@ def _budgets(buffer_dtypes: int) -> dict[str, int]:
         "equal": EQUAL_BUDGET,
         "tolist": TOLIST_BUDGET,
         "tensor_from_python": TENSOR_FROM_PYTHON_BUDGET,
+        "input_index": INPUT_INDEX_BUDGET,
         "data_dependent_shape": DATA_DEPENDENT_SHAPE_BUDGET,
         "collectives": GRADIENT_BUCKETS
         + BUFFER_SYNC_PER_DTYPE * buffer_dtypes

@@ -101,3 +101,27 @@ def test_a_cast_after_the_scope_reaches_every_gpu_copy_and_a_move_off_is_refused
     out = strategy.run(lambda x: model(x), args=(torch.ones(2, 6, dtype=torch.bfloat16),))
     for result in strategy.experimental_local_results(out):
         assert result.device.type == "cuda" and result.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_tensor_dataset_on_the_gpu_is_read_example_by_example(shuffle: bool) -> None:
+    """NOTE [batched tensor datasets]: a TensorDataset whose tensors live on the GPU
+    is not gathered with a host index (a copy to the device, a sync a batch): the
+    loader's own batches, example by example, the same values."""
+    x = torch.arange(40.0, device="cuda:0").reshape(20, 2)
+    y = torch.arange(20, device="cuda:0")
+
+    def loader() -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
+        torch.manual_seed(0)
+        return torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=shuffle
+        )
+
+    expected = list(loader())
+    strategy = ds.OneDeviceStrategy("cuda:0")
+    torch.manual_seed(0)
+    got = list(strategy.experimental_distribute_dataset(loader()))
+    assert len(got) == len(expected)
+    for batch, want in zip(got, expected):
+        for tensor, wanted in zip(batch, want):
+            assert torch.equal(tensor.cpu(), wanted.cpu())

@@ -242,3 +242,74 @@ def test_an_op_inside_run_reads_its_replicas_copy_however_the_variable_is_passed
     for column in results:
         got = [float(t[0].detach()) for t in strategy.experimental_local_results(column)]
         assert got == [0.0, 1.0, 2.0]
+
+
+# -- a DataLoader over a TensorDataset (NOTE [batched tensor datasets]) ----------------
+
+
+def _tensor_loader(**kwargs: Any) -> torch.utils.data.DataLoader[Any]:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(30, 3, generator=gen).to(torch.float64)
+    y = torch.randint(0, 4, (30,), generator=gen, dtype=torch.int32)
+    return torch.utils.data.DataLoader(TensorDataset(x, y), batch_size=8, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"shuffle": True}, {"drop_last": True}])
+def test_a_tensor_loader_distributes_the_batches_it_yields_fetching_no_example_alone(
+    kwargs: dict[str, Any],
+) -> None:
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    torch.manual_seed(0)
+    expected = list(_tensor_loader(**kwargs))
+    torch.manual_seed(0)
+    dist = strategy.experimental_distribute_dataset(_tensor_loader(**kwargs))
+    counted = _calls_to(TensorDataset.__getitem__.__code__)
+    examples = next(counted)
+    try:
+        got = list(dist)
+    finally:
+        next(counted, None)
+    assert examples[0] == 0
+    assert len(got) == len(expected)
+    for batch, want in zip(got, expected):
+        assert isinstance(batch, list)  # as default_collate makes of tuple examples
+        for per_replica, tensor in zip(batch, want):
+            parts = strategy.experimental_local_results(per_replica)
+            joined = torch.cat(parts)
+            assert joined.dtype == tensor.dtype
+            assert torch.equal(joined, tensor)
+
+
+def test_a_loader_of_another_dataset_or_collation_is_read_as_it_is() -> None:
+    class Examples(TensorDataset):
+        pass
+
+    loaders = [
+        torch.utils.data.DataLoader(Examples(torch.arange(8.0)), batch_size=4),
+        torch.utils.data.DataLoader(
+            TensorDataset(torch.arange(8.0)),
+            batch_size=4,
+            collate_fn=lambda b: torch.stack([e[0] for e in b]),
+        ),
+    ]
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    for loader in loaders:
+        counted = _calls_to(TensorDataset.__getitem__.__code__)
+        examples = next(counted)
+        try:
+            list(strategy.experimental_distribute_dataset(loader))
+        finally:
+            next(counted, None)
+        assert examples[0] == 8  # one call per example, as the loader's own reading
+
+
+def test_a_gathered_batch_never_shares_memory_with_the_dataset() -> None:
+    """An unshuffled batch is a slice, copied: a step that writes into its batch
+    (normalizing in place) leaves the data of later epochs unchanged."""
+    x = torch.arange(12.0).reshape(6, 2)
+    loader = torch.utils.data.DataLoader(TensorDataset(x), batch_size=3)
+    strategy = ds.MirroredStrategy(["cpu:0"])
+    for _ in range(2):
+        for (batch,) in strategy.experimental_distribute_dataset(loader):
+            batch.mul_(0)
+    assert torch.equal(x, torch.arange(12.0).reshape(6, 2))
