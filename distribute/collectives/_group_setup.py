@@ -21,12 +21,12 @@ process-wide, as torch's default group is.
 from __future__ import annotations
 
 import atexit
-import collections.abc
 import ctypes
 import datetime
 import logging
 import socket
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -47,6 +47,7 @@ __all__ = [
     "device_identity",
     "init_default_group",
     "store_host",
+    "work_done",
 ]
 
 logger = logging.getLogger(__name__)
@@ -246,19 +247,17 @@ def close_group(
     users: GroupUsers | None,
     state: list[Any],
     launched: list[Any],
-    recent: collections.abc.MutableSequence[Any],
 ) -> None:
     """Stops the watcher and leaves the group, destroying it if this was its last
     user (the finalizer of a collectives object). At the interpreter's exit, the
-    group's recent works are kept for good (NOTE [works at exit])."""
+    group's unwaited works are kept for good (NOTE [works at exit])."""
     if liveness is not None:
         liveness.stop()
     abandoned = not all(work.is_completed() for work in launched)
     if _EXITING[0]:
-        for work in {id(w): w for w in [*launched, *recent]}.values():
+        for work in launched:
             _never_free(work)
     launched.clear()  # a work holds the group, and the group the store's server port
-    recent.clear()
     if users is not None:
         if state[0] is not None:
             logger.debug("leaving a process group that broke: %s", state[0])
@@ -311,29 +310,49 @@ _SHARED_LOCK = threading.Lock()
 
 
 # NOTE [works at exit]
-# gloo runs each collective on one of its group's worker threads, which drops its
-# reference to the finished work a moment after waking the waiter. If the waiter has
-# already dropped its own, the worker frees the work, and with it the work's tensors,
-# whose Python objects torch keeps alive from C++: freeing them takes the GIL. When
-# the process's last collective is followed at once by the interpreter's exit, that
-# worker may wake inside `Py_FinalizeEx`, where taking the GIL ends the thread, and the
-# C++ runtime aborts the process ("terminate called without an active exception",
-# SIGABRT, after the script's own work is done; 1 run in 12 of the fully sharded
-# example under torchrun on 2 busy cores). So every collectives object keeps its last
-# few waited works (`ProcessGroupCollectives._recent`), and when it is closed at the
-# interpreter's exit (the atexit phase, `_EXITING`) those and any unwaited ones are
-# kept for good: the worker's release is then never the last, and nothing is freed on
-# its thread. One closed earlier (`shutdown()`) lets them go at once: a work holds the
-# group, and the group gloo's threads and the store's port, which `shutdown` must free
-# (test_shutdown_stops_gloo_threads_so_exit_cannot_abort). Where something else pins
-# the group past `shutdown` (FullyShardedStrategy's device mesh), its threads live on
-# and an explicit `shutdown()` right before the exit can still abort (7 runs in 24 of
-# the fully sharded example): not fixed yet.
+# A gloo worker thread (`pt_gloo_runloop`) drops its own reference to a finished work
+# a moment after waking the waiter. If the waiter has already dropped its own, the
+# worker frees the work, and with it the work's tensors, whose Python objects torch
+# keeps alive from C++: freeing them takes the GIL. When the process's last collective
+# is followed at once by the interpreter's exit, that worker may wake inside
+# `Py_FinalizeEx`, where taking the GIL ends the thread, and the C++ runtime aborts the
+# process ("terminate called without an active exception", SIGABRT, after the
+# script's own work is done; 1 run in 12 of the fully sharded example under torchrun
+# on 2 busy cores, and 7 in 24 when the script called `strategy.shutdown()` last).
+# So the exit waits for the workers: every collective this library waits for records
+# when it finished (`work_done`), and the atexit phase, while the interpreter still
+# runs every thread, first sleeps until `SETTLE_SECONDS` have passed since the last
+# one (`_settle`; at most that long, and only when a collective finished that
+# recently). Works launched and never waited for are kept for good when their group
+# is closed at exit (`_never_free`): gloo may still be running them.
+# The first fix kept each collectives object's last four waited works alive instead:
+# that held their buffers (the initial broadcast's, the size of the model) for the
+# rest of the run, 14 MiB more at FullyShardedStrategy's peak on the benchmark's
+# model (0.48 -> 0.58 of MultiWorkerMirrored), and could not help a group closed by
+# `shutdown()` before the exit.
+SETTLE_SECONDS = 0.1
+_LAST_DONE = [float("-inf")]
+
+
+def work_done() -> None:
+    """Records that a collective just finished (NOTE [works at exit])."""
+    _LAST_DONE[0] = time.monotonic()
+
+
+def _settle() -> None:
+    """Sleeps until `SETTLE_SECONDS` after the last finished collective, if that is
+    still ahead: gloo's workers let their works go while the interpreter runs."""
+    left = SETTLE_SECONDS - (time.monotonic() - _LAST_DONE[0])
+    if left > 0:
+        time.sleep(left)
+
+
 _EXITING = [False]
 
 
 def _mark_exiting() -> None:
     _EXITING[0] = True
+    _settle()
 
 
 # atexit runs the hook registered last first, and the collectives objects are closed

@@ -38,7 +38,6 @@ Example::
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import time
@@ -65,6 +64,7 @@ from distribute.collectives._group_setup import (
     default_group_matches,
     init_default_group,
     share_group,
+    work_done,
 )
 from distribute.collectives._liveness import (
     Position,
@@ -159,11 +159,10 @@ class ProcessGroupCollectives:
         #: A sub-group's world (weakly) and how it names a rank: `subgroup`.
         self._world: tuple[weakref.ref[ProcessGroupCollectives], Any] | None = None
         self._int_buffer = self._on_device(torch.zeros(1, dtype=torch.int64))
-        # Works maybe not waited for (`_close`); the last ones waited for (NOTE [works at exit]).
+        # Works maybe not waited for (`_close`; NOTE [works at exit]).
         self._launched: list[Any] = []
-        self._recent: collections.deque[Any] = collections.deque(maxlen=4)
         self._users = share_group(group, created=owns_group)
-        held = (self._liveness, self._users, self._broken, self._launched, self._recent)
+        held = (self._liveness, self._users, self._broken, self._launched)
         self._finalizer = weakref.finalize(self, close_group, *held)
 
     @classmethod
@@ -291,7 +290,7 @@ class ProcessGroupCollectives:
         state.waiting = position
         try:
             self._wait_until_done(work, position, start)
-            self._recent.append(work)
+            work_done()  # NOTE [works at exit]
         except (KeyboardInterrupt, SystemExit) as exc:
             # Ctrl-C (or an exit) while a peer has not arrived: the group is left
             # broken, so that the process can exit now instead of waiting for the
