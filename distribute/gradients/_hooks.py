@@ -139,12 +139,12 @@ def _variables_of(optimizer: Optimizer, strategy: Strategy) -> list[DistributedV
     give wrong numbers (NOTE [refused steps])."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     key = tuple(map(id, params))
-    _quiet.pop(id(optimizer), None)  # made again below, if still quiet
     cached = _plans.get(optimizer)
     if cached is not None and cached[0] == key:
         planned = _planned(optimizer, strategy, cached)
         if planned is not None:
             return planned
+    _quiet.pop(id(optimizer), None)  # a new plan: made quiet again below, if it is
     own: list[DistributedVariable] = []  # or tensors a strategy manages (`_marks.managed_by`)
     foreign: list[DistributedVariable] = []
     foreign_managers: list[Any] = []
