@@ -8,6 +8,7 @@ them with one foreach add per replica, with nothing packed.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from collections.abc import Iterator
@@ -22,7 +23,8 @@ import distribute as ds
 from distribute.collectives import packing
 
 
-def _calls_to(code: Any) -> Iterator[list[int]]:  # a generator: next() opens, next() closes
+@contextlib.contextmanager
+def _calls_to(code: Any) -> Iterator[list[int]]:
     """Counts calls of ``code`` on every thread while the context is open."""
     count = [0]
 
@@ -48,12 +50,8 @@ def test_fit_on_arrays_gathers_each_batch_with_one_index_per_tensor() -> None:
     with strategy.scope():
         model = ds.Model(torch.nn.Linear(6, 3))
     model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=torch.nn.CrossEntropyLoss())
-    counted = _calls_to(TensorDataset.__getitem__.__code__)
-    examples = next(counted)
-    try:
+    with _calls_to(TensorDataset.__getitem__.__code__) as examples:
         history = model.fit(x, y, batch_size=8, epochs=2, shuffle=True, verbose=0)
-    finally:
-        next(counted, None)
     assert examples[0] == 0, f"{examples[0]} examples fetched one at a time in 2 epochs of 40"
     assert all(np.isfinite(history.history["loss"]))
 
@@ -111,12 +109,8 @@ def test_replicas_with_every_gradient_sum_them_in_replica_order_without_packing(
     grads = [[torch.randn(2, 3, generator=gen), torch.randn(2, generator=gen)] for _ in range(n)]
     expected = [grads[0][j] + grads[1][j] + grads[2][j] + grads[3][j] for j in range(2)]
     strategy = ds.MirroredStrategy([f"cpu:{i}" for i in range(n)])
-    counted = _calls_to(packing.pack_by_bytes.__code__)  # the replica threads start inside
-    packs = next(counted)
-    try:
+    with _calls_to(packing.pack_by_bytes.__code__) as packs:  # the replica threads start inside
         model, after = _replica_step(strategy, grads)
-    finally:
-        next(counted, None)
     assert packs[0] == 0, "the gradients were packed"
     for replica in after:
         for got, want in zip(replica, expected):
@@ -209,13 +203,9 @@ def test_one_replicas_steady_step_runs_no_step_handler() -> None:
     model, optimizer = _one_replica_training(strategy)
     _step(strategy, model, optimizer)
     before = [p.detach().clone() for p in model.parameters()]
-    counted = _calls_to(SynchronousStepHandler.before_step.__code__)
-    calls = next(counted)
-    try:
+    with _calls_to(SynchronousStepHandler.before_step.__code__) as calls:
         for _ in range(3):
             _step(strategy, model, optimizer)
-    finally:
-        next(counted, None)
     assert calls[0] == 0
     assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
@@ -263,12 +253,8 @@ def test_a_tensor_loader_distributes_the_batches_it_yields_fetching_no_example_a
     expected = list(_tensor_loader(**kwargs))
     torch.manual_seed(0)
     dist = strategy.experimental_distribute_dataset(_tensor_loader(**kwargs))
-    counted = _calls_to(TensorDataset.__getitem__.__code__)
-    examples = next(counted)
-    try:
+    with _calls_to(TensorDataset.__getitem__.__code__) as examples:
         got = list(dist)
-    finally:
-        next(counted, None)
     assert examples[0] == 0
     assert len(got) == len(expected)
     for batch, want in zip(got, expected):
@@ -294,12 +280,8 @@ def test_a_loader_of_another_dataset_or_collation_is_read_as_it_is() -> None:
     ]
     strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
     for loader in loaders:
-        counted = _calls_to(TensorDataset.__getitem__.__code__)
-        examples = next(counted)
-        try:
+        with _calls_to(TensorDataset.__getitem__.__code__) as examples:
             list(strategy.experimental_distribute_dataset(loader))
-        finally:
-            next(counted, None)
         assert examples[0] == 8  # one call per example, as the loader's own reading
 
 
@@ -313,3 +295,30 @@ def test_a_gathered_batch_never_shares_memory_with_the_dataset() -> None:
         for (batch,) in strategy.experimental_distribute_dataset(loader):
             batch.mul_(0)
     assert torch.equal(x, torch.arange(12.0).reshape(6, 2))
+
+
+def test_a_step_after_an_early_sum_is_quiet_again() -> None:
+    """`GradScaler.unscale_` sums before the step (an early sum): that step takes the
+    full hooks, and the next ones are quiet again (the early sum used to drop the
+    optimizer's quiet plan for good)."""
+    from distribute.gradients.synchronous import SynchronousStepHandler
+
+    strategy = ds.MirroredStrategy(["cpu:0"])
+    with strategy.scope():
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = ds.GradScaler("cpu", init_scale=8.0)
+
+    def scaled_step(x: torch.Tensor) -> None:
+        scaler.scale(model(x).sum()).backward()
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+
+    _step(strategy, model, optimizer)
+    strategy.run(scaled_step, args=(torch.ones(3, 4),))
+    with _calls_to(SynchronousStepHandler.before_step.__code__) as calls:
+        for _ in range(3):
+            _step(strategy, model, optimizer)
+    assert calls[0] == 0
