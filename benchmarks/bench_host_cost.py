@@ -19,6 +19,13 @@ distribute_ms (per step), ratio of the medians, paired_ratio and its quartiles
                    replicas cost beyond the work they share. The tiny MLP (batch 32,
                    8 a replica) and bench_mirrored.py's MLP 512-1024-1024-512-10
                    (batch 256), SGD with momentum. Goal (issue 40): <= 1.20.
+                   Beside them, in the same interleaved run, the replica threads'
+                   design in plain PyTorch (`_plain_replicas.py`: 4 threads, a model
+                   copy each, one meeting to sum, 4 optimizer steps, no library):
+                   ``floor_ratio`` (it / the quarter-batches) is what any threaded
+                   replica design costs here, ``over_floor`` (the library / it) what
+                   the library adds; ``in_turn_ratio``: the same replicas one after
+                   the other on one thread, no threads at all.
 
 ``torch.set_num_threads(--threads)`` (default 1: the replicas then take turns on
 the cores as the quarters do) for both sides.
@@ -39,6 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from _plain_replicas import PlainReplicas
 from _timing import emit, interleaved, quartiles
 
 import distribute as ds
@@ -96,6 +104,34 @@ def plain_step(layers: tuple[int, ...], batch: int, opt: str, pieces: int) -> Ca
     return step
 
 
+def plain_threads_step(
+    layers: tuple[int, ...], batch: int, opt: str, n: int
+) -> tuple[Callable[[], float], Callable[[], float], Callable[[], None]]:
+    """The replica threads' design in plain PyTorch (`_plain_replicas.py`): the step,
+    the same step with the replicas in turn on the caller's thread, and what stops
+    the threads."""
+
+    def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        per_example = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+        return per_example.sum() / batch
+
+    replicas = PlainReplicas(
+        make_model(layers), lambda params: make_optimizer(opt, params), loss_of, n
+    )
+    shards = [(x.chunk(n), y.chunk(n)) for x, y in make_batches(layers, batch)]
+    counter = iter(range(sys.maxsize))
+
+    def step() -> float:
+        xs, ys = shards[next(counter) % len(shards)]
+        return float(replicas.step(xs, ys))
+
+    def in_turn() -> float:
+        xs, ys = shards[next(counter) % len(shards)]
+        return float(replicas.step_in_turn(xs, ys))
+
+    return step, in_turn, replicas.close
+
+
 def strategy_step(
     strategy: ds.Strategy, layers: tuple[int, ...], batch: int, opt: str
 ) -> Callable[[], float]:
@@ -138,6 +174,17 @@ def pair(
     samples = interleaved(cases, reps, steps, warmup_calls=max(5, steps // 4))
     base, ours = samples["baseline"], samples["distribute"]
     paired = [o / b for b, o in zip(base, ours)]
+    floor: dict[str, Any] = {}
+    if "plain_threads" in samples:
+        threads = samples["plain_threads"]
+        floor = {
+            "plain_threads_ms": round(statistics.median(threads) * 1e3, 4),
+            "floor_ratio": round(statistics.median([t / b for b, t in zip(base, threads)]), 4),
+            "over_floor": round(statistics.median([o / t for t, o in zip(threads, ours)]), 4),
+        }
+    if "plain_in_turn" in samples:
+        turns = samples["plain_in_turn"]
+        floor["in_turn_ratio"] = round(statistics.median([t / b for b, t in zip(base, turns)]), 4)
     emit(
         {
             "bench": name,
@@ -148,6 +195,7 @@ def pair(
             "ratio": round(statistics.median(ours) / statistics.median(base), 4),
             "paired_ratio": round(statistics.median(paired), 4),
             "paired_ratio_iqr": [round(q, 4) for q in quartiles(paired)],
+            **floor,
             "goal": goal,
             "reps": reps,
             "steps_per_rep": steps,
@@ -185,9 +233,12 @@ def four_replicas(quick: bool) -> None:
         (MLP, (5, 3) if quick else (21, 5)),
     ):
         strategy = ds.MirroredStrategy([f"cpu:{i}" for i in range(4)])
+        plain_threads, in_turn, close = plain_threads_step(layers, batch, "sgd_momentum", 4)
         cases = {
             "baseline": plain_step(layers, batch, "sgd_momentum", 4),
             "distribute": strategy_step(strategy, layers, batch, "sgd_momentum"),
+            "plain_threads": plain_threads,
+            "plain_in_turn": in_turn,
         }
         pair(
             "four_replicas",
@@ -206,6 +257,7 @@ def four_replicas(quick: bool) -> None:
         threads = getattr(strategy.extended, "_threads", None)
         if threads is not None:  # idle replica threads slow later cases
             threads.shutdown(join=True)
+        close()
 
 
 BENCHES = {"one_replica": one_replica, "four_replicas": four_replicas}

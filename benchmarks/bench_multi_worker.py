@@ -19,6 +19,12 @@ Benchmarks:
     train_step_vs_ddp          one training step (forward, backward, SGD momentum,
                                zero_grad): `strategy.run(step)` against the same step
                                of a DistributedDataParallel model. Goal: <= 1.0.
+    train_step_floor           from the same interleaved run: the step without any
+                               communication and one raw all-reduce of every
+                               gradient, each alone, against DDP's step: the larger
+                               of the two (a perfectly overlapped step,
+                               overlapped_floor_ratio) and their sum (no overlap,
+                               no copy into buckets, serial_floor_ratio).
     large_all_reduce           64 MB float32 in place: `all_reduce(..., in_place=True)`
                                against raw `dist.all_reduce(t)`. Goal: throughput
                                (1 / ratio) >= 0.95.
@@ -114,7 +120,31 @@ def _worker(quick: bool) -> list[dict[str, Any]]:
     for _ in range(warmup):  # the first strategy step also builds the buckets
         strategy.run(step)
         ddp_step()
-    t = _interleaved({"ddp": ddp_step, "ours": lambda: strategy.run(step)}, step_reps, iters)
+    # The two halves of a step, alone, in the same interleaved run: the step without
+    # communication (a plain copy of the model, one worker's batch), and one raw
+    # all-reduce of a flat buffer of every gradient (what either side must send).
+    # Overlapped perfectly, a step costs the larger of the two: the floor of any
+    # design that sends the same gradients (`train_step_floor`).
+    alone = _model(width, depth)
+    alone_opt = torch.optim.SGD(alone.parameters(), lr=0.01, momentum=0.9)
+    flat = torch.zeros(params)
+
+    def compute_only() -> None:
+        per_example = torch.nn.functional.cross_entropy(alone(x), y, reduction="none")
+        (per_example.sum() / batch).backward()
+        alone_opt.step()
+        alone_opt.zero_grad()
+
+    t = _interleaved(
+        {
+            "ddp": ddp_step,
+            "ours": lambda: strategy.run(step),
+            "compute": compute_only,
+            "all_reduce": lambda: dist.all_reduce(flat),
+        },
+        step_reps,
+        iters,
+    )
     results.append(
         _line(
             "train_step_vs_ddp",
@@ -126,6 +156,23 @@ def _worker(quick: bool) -> list[dict[str, Any]]:
             "<= 1.0",
             load,
         )
+    )
+    ddp_ms = t["ddp"]
+    overlapped = [max(c, a) / d for c, a, d in zip(t["compute"], t["all_reduce"], ddp_ms)]
+    serial = [(c + a) / d for c, a, d in zip(t["compute"], t["all_reduce"], ddp_ms)]
+    results.append(
+        {
+            "bench": "train_step_floor",
+            "config": "the step without communication and one raw all-reduce of every "
+            f"gradient ({params * 4 / 2**20:.1f} MiB), each alone, against DDP's step",
+            "ddp_ms": round(statistics.median(ddp_ms), 3),
+            "compute_ms": round(statistics.median(t["compute"]), 3),
+            "all_reduce_ms": round(statistics.median(t["all_reduce"]), 3),
+            "overlapped_floor_ratio": round(statistics.median(overlapped), 3),
+            "serial_floor_ratio": round(statistics.median(serial), 3),
+            "reps": len(ddp_ms),
+            "loadavg_1m_before": round(load, 2),
+        }
     )
 
     # Large all-reduce: throughput of ProcessGroupCollectives vs raw dist.all_reduce,

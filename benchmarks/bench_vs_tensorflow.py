@@ -10,9 +10,14 @@ side with the interpreter given by ``--tf-python``, which runs this same file wi
     python benchmarks/bench_vs_tensorflow.py --tf-python ~/.cache/distribute/tf-venv/bin/python
 
 What runs on each side, `MirroredStrategy` over 2 logical CPU devices (TF:
-``tf.config.set_logical_device_configuration``; here ``["cpu:0", "cpu:1"]``), an MLP
-64-256-256-10, SGD (learning rate 0.05, momentum 0.9: Keras's and torch's
-formulas give the same steps), global batch 64, 7,040 examples (110 batches):
+``tf.config.set_logical_device_configuration``; here ``["cpu:0", "cpu:1"]``), SGD
+(learning rate 0.05, momentum 0.9: Keras's and torch's formulas give the same
+steps), global batch 64, 7,040 examples (110 batches), one of two models
+(``--model``):
+
+    mlp    an MLP 64-256-256-10 on random inputs (the default);
+    digits the guide's MLP 64-32-10 on scikit-learn's digits (1,797 images scaled
+           to [-1, 1], repeated to 7,040): the figure issue 40 names.
 
     loop   the tf.distribute custom loop: the dataset distributed by the strategy,
            ``strategy.run(step)`` computing ``compute_average_loss`` and stepping
@@ -22,7 +27,10 @@ formulas give the same steps), global batch 64, 7,040 examples (110 batches):
            epoch is timed (Keras's ``fit`` compiles its step in the first).
 
 Prints JSON lines: steps per second of each side (median over ``--runs`` runs, the
-sides alternating), their ratio (distribute / TensorFlow, > 1 is faster), and how
+sides alternating), their ratio (distribute / TensorFlow, > 1 is faster); the loop
+once more on MirroredStrategy's design in plain PyTorch with no library (two replica
+threads, a model copy each: ``_plain_replicas.py``), the floor of a threaded design,
+against TensorFlow and against the library (``plain_threads``); and how
 far apart the numbers are (largest difference of the losses over the steps and of
 the final weights, first run). Timings are a side-by-side ratio on one machine,
 never a test.
@@ -44,21 +52,33 @@ from typing import Any
 
 import numpy as np
 
-WIDTHS = (64, 256, 256, 10)
+MODELS = {"mlp": (64, 256, 256, 10), "digits": (64, 32, 10)}
 GLOBAL_BATCH = 64
 LR, MOMENTUM = 0.05, 0.9
 WARMUP, TIMED = 10, 100
 EXAMPLES = GLOBAL_BATCH * (WARMUP + TIMED)  # one pass of the loop: 7,040
 
 
-def make_inputs(path: Path) -> None:
-    """Data and initial weights (torch's layout: weight ``(out, in)``)."""
+def make_inputs(path: Path, model: str) -> None:
+    """Data, the widths and initial weights (torch's layout: weight ``(out, in)``)."""
     rng = np.random.default_rng(0)
+    widths = MODELS[model]
+    if model == "digits":
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        repeats = -(-EXAMPLES // len(digits.target))
+        x = np.tile(digits.data / 8.0 - 1.0, (repeats, 1))[:EXAMPLES]
+        y = np.tile(digits.target, repeats)[:EXAMPLES]
+    else:
+        x = rng.standard_normal((EXAMPLES, widths[0]))
+        y = rng.integers(0, widths[-1], EXAMPLES)
     arrays: dict[str, np.ndarray] = {
-        "x": rng.standard_normal((EXAMPLES, WIDTHS[0])).astype(np.float32),
-        "y": rng.integers(0, WIDTHS[-1], EXAMPLES).astype(np.int64),
+        "x": x.astype(np.float32),
+        "y": y.astype(np.int64),
+        "widths": np.asarray(widths, dtype=np.int64),
     }
-    for i, (n_in, n_out) in enumerate(itertools.pairwise(WIDTHS)):
+    for i, (n_in, n_out) in enumerate(itertools.pairwise(widths)):
         bound = 1.0 / np.sqrt(n_in)
         arrays[f"w{i}"] = rng.uniform(-bound, bound, (n_out, n_in)).astype(np.float32)
         arrays[f"b{i}"] = rng.uniform(-bound, bound, n_out).astype(np.float32)
@@ -74,12 +94,13 @@ def run_distribute(data: dict[str, np.ndarray]) -> dict[str, Any]:
     import distribute as ds
 
     torch.set_num_threads(1)
-    layers = len(WIDTHS) - 1
+    widths = [int(w) for w in data["widths"]]
+    layers = len(widths) - 1
 
     def build() -> torch.nn.Sequential:
         modules: list[torch.nn.Module] = []
         for i in range(layers):
-            linear = torch.nn.Linear(WIDTHS[i], WIDTHS[i + 1])
+            linear = torch.nn.Linear(widths[i], widths[i + 1])
             with torch.no_grad():
                 linear.weight.copy_(torch.from_numpy(data[f"w{i}"]))
                 linear.bias.copy_(torch.from_numpy(data[f"b{i}"]))
@@ -120,6 +141,43 @@ def run_distribute(data: dict[str, np.ndarray]) -> dict[str, Any]:
         name: parameter.detach().numpy().copy() for name, parameter in model.named_parameters()
     }
 
+    # The same loop on MirroredStrategy's design in plain PyTorch, no library: two
+    # replica threads with a model copy each (`_plain_replicas.py`), the floor of any
+    # threaded replica design on this machine.
+    from _plain_replicas import PlainReplicas
+
+    def loss_of(m: torch.nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        per_example = torch.nn.functional.cross_entropy(m(xb), yb, reduction="none")
+        return per_example.sum() / GLOBAL_BATCH
+
+    plain = PlainReplicas(
+        build(), lambda params: torch.optim.SGD(params, lr=LR, momentum=MOMENTUM), loss_of, 2
+    )
+    plain_losses: list[float] = []
+    # Batches sliced from the tensors, as the library's read of a TensorDataset does
+    # (NOTE [batched tensor datasets]), not DataLoader's default example by example.
+    plain_batches = (
+        (x[i : i + GLOBAL_BATCH], y[i : i + GLOBAL_BATCH]) for i in range(0, EXAMPLES, GLOBAL_BATCH)
+    )
+    for _ in range(WARMUP):
+        xb, yb = next(plain_batches)
+        plain_losses.append(float(plain.step(xb.chunk(2), yb.chunk(2))))
+    began = time.perf_counter()
+    plain_timed = []
+    for _ in range(TIMED):
+        xb, yb = next(plain_batches)
+        plain_timed.append(plain.step(xb.chunk(2), yb.chunk(2)))
+    plain_losses += [float(v) for v in plain_timed]
+    plain_seconds = time.perf_counter() - began
+    # And with no threads at all: the two replicas in turn on this thread.
+    in_turn = []
+    began = time.perf_counter()
+    for i in range(0, TIMED * GLOBAL_BATCH, GLOBAL_BATCH):
+        xb, yb = x[i : i + GLOBAL_BATCH], y[i : i + GLOBAL_BATCH]
+        in_turn.append(plain.step_in_turn(xb.chunk(2), yb.chunk(2)))
+    in_turn_seconds = time.perf_counter() - began
+    plain.close()
+
     # fit.
     with strategy.scope():
         keras_like = ds.Model(build())
@@ -148,6 +206,9 @@ def run_distribute(data: dict[str, np.ndarray]) -> dict[str, Any]:
     return {
         "loop_steps_per_s": TIMED / loop_seconds,
         "loop_losses": losses,
+        "plain_threads_steps_per_s": TIMED / plain_seconds,
+        "plain_in_turn_steps_per_s": TIMED / in_turn_seconds,
+        "plain_threads_losses_max_abs_diff": max(abs(a - b) for a, b in zip(losses, plain_losses)),
         "weights": [weights[k].tolist() for k in sorted(weights)],
         "fit_steps_per_s": (EXAMPLES // GLOBAL_BATCH) / epochs[1],
         "fit_losses": [float(v) for v in history.history["loss"]],
@@ -166,13 +227,14 @@ def run_tensorflow(data: dict[str, np.ndarray]) -> dict[str, Any]:
     (cpu,) = tf.config.list_physical_devices("CPU")
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    layers = len(WIDTHS) - 1
+    widths = [int(w) for w in data["widths"]]
+    layers = len(widths) - 1
 
     def build() -> Any:
         model = tf.keras.Sequential(
-            [tf.keras.Input((WIDTHS[0],))]
+            [tf.keras.Input((widths[0],))]
             + [
-                tf.keras.layers.Dense(WIDTHS[i + 1], activation="relu" if i < layers - 1 else None)
+                tf.keras.layers.Dense(widths[i + 1], activation="relu" if i < layers - 1 else None)
                 for i in range(layers)
             ]
         )
@@ -270,6 +332,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tf-python", help="an interpreter with tensorflow installed")
     parser.add_argument("--runs", type=int, default=3, help="runs per side, alternating")
+    parser.add_argument(
+        "--model", choices=tuple(MODELS), default="mlp", help="mlp: 64-256-256-10; digits: 64-32-10"
+    )
     parser.add_argument("--side", choices=("tf", "distribute"), help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -283,7 +348,7 @@ def main() -> None:
         parser.error("--tf-python is required (an interpreter with tensorflow-cpu 2.21)")
     with tempfile.TemporaryDirectory(prefix="bench-vs-tf-") as tmp:
         data = Path(tmp, "inputs.npz")
-        make_inputs(data)
+        make_inputs(data, args.model)
         results: dict[str, list[dict[str, Any]]] = {"distribute": [], "tf": []}
         for run in range(args.runs):
             order = ("distribute", "tf") if run % 2 == 0 else ("tf", "distribute")
@@ -292,7 +357,8 @@ def main() -> None:
                 results[side].append(_side(python, side, data, Path(tmp, f"{side}-{run}.json")))
     ours, theirs = results["distribute"], results["tf"]
     config = (
-        f"MirroredStrategy over 2 logical CPU devices, MLP {'-'.join(map(str, WIDTHS))}, "
+        f"MirroredStrategy over 2 logical CPU devices, MLP {'-'.join(map(str, MODELS[args.model]))}"
+        f"{' on digits' if args.model == 'digits' else ''}, "
         f"SGD lr {LR} momentum {MOMENTUM}, global batch {GLOBAL_BATCH}, "
         f"TensorFlow {theirs[0]['tensorflow']}, {args.runs} runs per side"
     )
@@ -314,6 +380,31 @@ def main() -> None:
                 }
             )
         )
+    floor = statistics.median(r["plain_threads_steps_per_s"] for r in ours)
+    in_turn = statistics.median(r["plain_in_turn_steps_per_s"] for r in ours)
+    tf_loop = statistics.median(r["loop_steps_per_s"] for r in theirs)
+    print(
+        json.dumps(
+            {
+                "bench": "plain_threads",
+                "what": "the loop on two replica threads in plain PyTorch, no library "
+                "(benchmarks/_plain_replicas.py): the threaded design's floor",
+                "plain_threads_steps_per_s": round(floor, 1),
+                "tensorflow_steps_per_s": round(tf_loop, 1),
+                "ratio": round(floor / tf_loop, 3),
+                "distribute_over_floor": round(
+                    floor / statistics.median(r["loop_steps_per_s"] for r in ours), 3
+                ),
+                "runs": [round(r["plain_threads_steps_per_s"], 1) for r in ours],
+                "in_turn_steps_per_s": round(in_turn, 1),
+                "in_turn_ratio": round(in_turn / tf_loop, 3),
+                "losses_max_abs_diff_to_distribute": max(
+                    r["plain_threads_losses_max_abs_diff"] for r in ours
+                ),
+                "config": config,
+            }
+        )
+    )
     print(
         json.dumps(
             {
