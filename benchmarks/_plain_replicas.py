@@ -4,7 +4,8 @@ replica threads on this machine (issue 40).
 One persistent thread per replica, each with its own copy of the model and its own
 optimizer. A step hands every thread its shard of the batch; each runs forward and
 backward; they meet once, where the last to arrive sums the gradients in replica
-order (``foreach_add``) and every replica copies the sums in (``foreach_copy_``);
+order (``foreach_add``) and every replica copies the sums in, in its own thread
+(``foreach_copy_``);
 each steps its own optimizer and zeroes its gradients; the last to finish wakes the
 caller, which sums the losses. This is what `distribute.MirroredStrategy` does on
 logical CPU devices, less its checks, contexts and hooks: the figure a threaded
@@ -44,11 +45,15 @@ class PlainReplicas:
         loss_of: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
         n: int,
     ) -> None:
+        if n < 2:
+            raise ValueError(f"PlainReplicas needs at least 2 replicas, got {n}")
         self.models = [model] + [copy.deepcopy(model) for _ in range(n - 1)]
         self._optimizers = [make_optimizer(m.parameters()) for m in self.models]
         self._loss_of = loss_of
         self._params = [list(m.parameters()) for m in self.models]
         self._barrier = threading.Barrier(n, action=self._sum)
+        self._totals: list[torch.Tensor] = []
+        self._error: BaseException | None = None
         self._tasks: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(n)]
         self._losses: list[torch.Tensor | None] = [None] * n
         self._done = threading.Event()
@@ -61,12 +66,15 @@ class PlainReplicas:
             t.start()
 
     def _sum(self) -> None:
+        """The sums, in replica order (run once, by the last replica to arrive)."""
         grads = [[p.grad for p in params] for params in self._params]
         totals = torch._foreach_add(grads[0], grads[1])
         for more in grads[2:]:
             torch._foreach_add_(totals, more)
-        for own in grads:
-            torch._foreach_copy_(own, totals)
+        self._totals = totals
+
+    def _copy_in(self, r: int) -> None:
+        torch._foreach_copy_([p.grad for p in self._params[r]], self._totals)
 
     def _loop(self, r: int) -> None:
         model, optimizer = self.models[r], self._optimizers[r]
@@ -75,12 +83,17 @@ class PlainReplicas:
             if task is None:
                 return
             x, y = task
-            loss = self._loss_of(model, x, y)
-            loss.backward()
-            self._barrier.wait()
-            optimizer.step()
-            optimizer.zero_grad()
-            self._losses[r] = loss.detach()
+            try:
+                loss = self._loss_of(model, x, y)
+                loss.backward()
+                self._barrier.wait()
+                self._copy_in(r)  # each replica in its own thread, as the library does
+                optimizer.step()
+                optimizer.zero_grad()
+                self._losses[r] = loss.detach()
+            except BaseException as e:  # never leave the caller waiting
+                self._error = self._error or e
+                self._barrier.abort()
             with self._lock:
                 self._left[0] -= 1
                 last = self._left[0] == 0
@@ -94,6 +107,8 @@ class PlainReplicas:
         for task, x, y in zip(self._tasks, xs, ys):
             task.put((x, y))
         self._done.wait()
+        if self._error is not None:
+            raise RuntimeError("a plain replica failed") from self._error
         total = self._losses[0]
         assert total is not None
         for loss in self._losses[1:]:
@@ -111,7 +126,8 @@ class PlainReplicas:
             loss.backward()
             losses.append(loss.detach())
         self._sum()
-        for optimizer in self._optimizers:
+        for r, optimizer in enumerate(self._optimizers):
+            self._copy_in(r)
             optimizer.step()
             optimizer.zero_grad()
         total = losses[0]

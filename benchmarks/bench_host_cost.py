@@ -27,6 +27,9 @@ distribute_ms (per step), ratio of the medians, paired_ratio and its quartiles
                    the library adds; ``in_turn_ratio``: the same replicas one after
                    the other on one thread, no threads at all.
 
+    handoff        a round trip between two Python threads (two hand-offs, no
+                   torch): what each wake-up of a replica thread costs on this machine.
+
 ``torch.set_num_threads(--threads)`` (default 1: the replicas then take turns on
 the cores as the quarters do) for both sides.
 """
@@ -260,7 +263,45 @@ def four_replicas(quick: bool) -> None:
         close()
 
 
-BENCHES = {"one_replica": one_replica, "four_replicas": four_replicas}
+def handoff(quick: bool) -> None:
+    """What waking another thread costs here: a round trip between two Python threads
+    through two `queue.SimpleQueue`s (two hand-offs), no library."""
+    import queue
+    import threading
+    import time
+
+    there: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+    back: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+    def echo() -> None:
+        while (item := there.get()) is not None:
+            back.put(item)
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    trips = 2_000 if quick else 10_000
+    samples = []
+    for _ in range(5):
+        began = time.perf_counter()
+        for i in range(trips):
+            there.put(i)
+            back.get()
+        samples.append((time.perf_counter() - began) / trips)
+    there.put(None)
+    thread.join()
+    emit(
+        {
+            "bench": "handoff",
+            "what": "a round trip between two Python threads (two hand-offs)",
+            "round_trip_us": round(statistics.median(samples) * 1e6, 1),
+            "runs_us": [round(t * 1e6, 1) for t in samples],
+            "trips_per_run": trips,
+            "loadavg_1m_before": round(os.getloadavg()[0], 2),
+        }
+    )
+
+
+BENCHES = {"one_replica": one_replica, "four_replicas": four_replicas, "handoff": handoff}
 
 
 def main() -> None:

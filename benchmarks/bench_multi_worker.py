@@ -3,6 +3,7 @@ raw torch.distributed, in the same worker processes (gloo on 127.0.0.1).
 
     python benchmarks/bench_multi_worker.py            # full (a few minutes)
     python benchmarks/bench_multi_worker.py --quick    # smoke run
+    python benchmarks/bench_multi_worker.py --bytes-per-pack 0   # no overlap
 
 Prints JSON lines: {"bench", "config", "baseline_ms", "distribute_ms", "ratio",
 "paired_ratio", "paired_ratio_iqr", "reps", "goal", "loadavg_1m_before"}.
@@ -72,7 +73,7 @@ def _interleaved(cases: dict[str, Any], reps: int, calls: int) -> dict[str, list
     return {name: [t * 1000 for t in ts] for name, ts in seconds.items()}
 
 
-def _worker(quick: bool) -> list[dict[str, Any]]:
+def _worker(quick: bool, bytes_per_pack: int | None = None) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -81,7 +82,12 @@ def _worker(quick: bool) -> list[dict[str, Any]]:
     # (the last layers' gradients) closed after 1 MiB. Do not pass DDP an explicit
     # bucket_cap_mb: that also turns its small first bucket off (torch 2.13), and a
     # single bucket then changes how much communication overlaps the backward pass.
-    strategy = ds.MultiWorkerMirroredStrategy()
+    options = (
+        None
+        if bytes_per_pack is None
+        else ds.experimental.CommunicationOptions(bytes_per_pack=bytes_per_pack)
+    )
+    strategy = ds.MultiWorkerMirroredStrategy(communication_options=options)
     collectives = strategy.extended.cross_worker
     world = strategy.num_workers
     width, depth, batch = (512, 2, 32) if quick else (1024, 3, 64)
@@ -289,8 +295,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--bytes-per-pack",
+        type=int,
+        help="the strategy's bucket size (0: one bucket, launched at the step: no overlap "
+        "with backward); default: DDP's",
+    )
     args = parser.parse_args()
-    results = launch.run(_worker, args.workers, args=(args.quick,), timeout=900)
+    results = launch.run(_worker, args.workers, args=(args.quick, args.bytes_per_pack), timeout=900)
     for line in results[0]:
         print(json.dumps(line))
 
