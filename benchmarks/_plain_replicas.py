@@ -24,7 +24,30 @@ from typing import Any
 
 import torch
 
-__all__ = ["PlainReplicas"]
+__all__ = ["PlainReplicas", "cross_entropy"]
+
+LossOf = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy(global_batch: int) -> LossOf:
+    """A replica's loss as `ds.compute_average_loss` makes it: the sum of its examples'
+    cross-entropies over the global batch size."""
+
+    def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        per_example = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+        return per_example.sum() / global_batch
+
+    return loss_of
+
+
+def _total(losses: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """The replicas' losses summed in replica order (as `reduce("sum")` sums them)."""
+    total = losses[0]
+    assert total is not None
+    for loss in losses[1:]:
+        assert loss is not None
+        total = total + loss
+    return total
 
 
 class PlainReplicas:
@@ -34,7 +57,7 @@ class PlainReplicas:
         model: copied once per replica (replica 0 keeps the original).
         make_optimizer: builds a replica's optimizer from its parameters.
         loss_of: ``loss_of(model, x, y)``, the replica's loss (already divided by the
-            global batch size).
+            global batch size; `cross_entropy`).
         n: the number of replicas.
     """
 
@@ -42,7 +65,7 @@ class PlainReplicas:
         self,
         model: torch.nn.Module,
         make_optimizer: Callable[[Any], torch.optim.Optimizer],
-        loss_of: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_of: LossOf,
         n: int,
     ) -> None:
         if n < 2:
@@ -109,12 +132,7 @@ class PlainReplicas:
         self._done.wait()
         if self._error is not None:
             raise RuntimeError("a plain replica failed") from self._error
-        total = self._losses[0]
-        assert total is not None
-        for loss in self._losses[1:]:
-            assert loss is not None
-            total = total + loss
-        return total
+        return _total(self._losses)
 
     def step_in_turn(self, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]) -> torch.Tensor:
         """The same step with no threads: the replicas one after the other in the
@@ -130,10 +148,7 @@ class PlainReplicas:
             self._copy_in(r)
             optimizer.step()
             optimizer.zero_grad()
-        total = losses[0]
-        for loss in losses[1:]:
-            total = total + loss
-        return total
+        return _total(losses)
 
     def close(self) -> None:
         """Stops the threads."""

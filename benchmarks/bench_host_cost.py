@@ -39,8 +39,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import queue
 import statistics
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,7 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from _plain_replicas import PlainReplicas
+from _plain_replicas import PlainReplicas, cross_entropy
 from _timing import emit, interleaved, quartiles
 
 import distribute as ds
@@ -113,13 +116,8 @@ def plain_threads_step(
     """The replica threads' design in plain PyTorch (`_plain_replicas.py`): the step,
     the same step with the replicas in turn on the caller's thread, and what stops
     the threads."""
-
-    def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        per_example = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
-        return per_example.sum() / batch
-
     replicas = PlainReplicas(
-        make_model(layers), lambda params: make_optimizer(opt, params), loss_of, n
+        make_model(layers), lambda params: make_optimizer(opt, params), cross_entropy(batch), n
     )
     shards = [(x.chunk(n), y.chunk(n)) for x, y in make_batches(layers, batch)]
     counter = iter(range(sys.maxsize))
@@ -266,10 +264,6 @@ def four_replicas(quick: bool) -> None:
 def handoff(quick: bool) -> None:
     """What waking another thread costs here: a round trip between two Python threads
     through two `queue.SimpleQueue`s (two hand-offs), no library."""
-    import queue
-    import threading
-    import time
-
     there: queue.SimpleQueue[int | None] = queue.SimpleQueue()
     back: queue.SimpleQueue[int] = queue.SimpleQueue()
 

@@ -146,14 +146,13 @@ def run_distribute(data: dict[str, np.ndarray]) -> dict[str, Any]:
     # The same loop on MirroredStrategy's design in plain PyTorch, no library: two
     # replica threads with a model copy each (`_plain_replicas.py`), the floor of any
     # threaded replica design on this machine.
-    from _plain_replicas import PlainReplicas
-
-    def loss_of(m: torch.nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-        per_example = torch.nn.functional.cross_entropy(m(xb), yb, reduction="none")
-        return per_example.sum() / GLOBAL_BATCH
+    from _plain_replicas import PlainReplicas, cross_entropy
 
     plain = PlainReplicas(
-        build(), lambda params: torch.optim.SGD(params, lr=LR, momentum=MOMENTUM), loss_of, 2
+        build(),
+        lambda params: torch.optim.SGD(params, lr=LR, momentum=MOMENTUM),
+        cross_entropy(GLOBAL_BATCH),
+        2,
     )
     plain_losses: list[float] = []
     # Batches sliced from the tensors, as the library's read of a TensorDataset does
